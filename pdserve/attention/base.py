@@ -1,0 +1,47 @@
+"""The interface every attention backend implements (see attention/__init__.py for the registry)."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from pdserve.engine.batch import ForwardBatch
+    from pdserve.kvcache.pool import KVPool
+
+
+class AttentionBackend(ABC):
+    """Stores a step's new K/V into the paged pool and attends over all cached pages."""
+
+    def __init__(self, pool: KVPool, num_heads: int, head_dim: int) -> None:
+        self.pool = pool
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scale = head_dim ** -0.5
+
+    @abstractmethod
+    def prepare_metadata(self, batch: ForwardBatch) -> None:
+        """Once per step, before the forward: builds ``batch.attn_metadata``."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                batch: ForwardBatch) -> torch.Tensor:
+        """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim] -> [tokens, heads, dim]."""
+
+    # CUDA graphs: backends that support capture override these.
+    def init_capture_graph(self, max_seq_len: int, bs_list: list[int]) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def prepare_for_capture(self, batch: ForwardBatch) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def prepare_for_replay(self, batch: ForwardBatch) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch) -> None:
+        """Writes the new tokens' K/V into their slots (one scatter per cache)."""
+        k_flat = self.pool.k_cache(layer_id).view(-1, k.shape[1], k.shape[2])
+        v_flat = self.pool.v_cache(layer_id).view(-1, v.shape[1], v.shape[2])
+        k_flat.index_copy_(0, batch.out_slots, k.to(k_flat.dtype))
+        v_flat.index_copy_(0, batch.out_slots, v.to(v_flat.dtype))

@@ -1,0 +1,58 @@
+"""Typed configuration per role, built from the command line in cli.py and passed down."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineConfig:
+    """What a worker needs to hold a model and a KV pool."""
+
+    model: str = "tiny"
+    dtype: str = "auto"                 # auto = the checkpoint's dtype
+    device: str = "auto"                # auto = cuda if available, else cpu
+    seed: int = 0                       # weights of presets
+    page_size: int = 16
+    num_pages: int = 0                  # 0 = as many as kv_cache_gb holds
+    kv_cache_gb: float = 1.0
+    attention_backend: str = "auto"
+    torch_threads: int = 0              # 0 = torch's default
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 0                       # 0 = any free port
+    metrics_port: int = -1              # -1 = no metrics server, 0 = any free port
+    advertise_host: str = ""            # host others reach us at; default: host
+    worker_id: str = ""
+
+
+@dataclass
+class PrefillConfig:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    chunk_size: int = 2048              # most prompt tokens computed in one step (all requests)
+    max_queued_requests: int = 1024
+    transfer_timeout_s: float = 30.0
+
+
+@dataclass
+class DecodeConfig:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    max_running_requests: int = 256
+    max_queued_reservations: int = 1024
+    reserve_wait_s: float = 10.0        # how long Reserve waits for free pages
+    lease_timeout_s: float = 30.0       # reservation not committed + decoding by then: freed
+
+
+@dataclass
+class RouterConfig:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    model: str = "tiny"
+    prefill_addrs: list[str] = field(default_factory=list)
+    decode_addrs: list[str] = field(default_factory=list)
+    health_interval_s: float = 1.0
+    default_max_new_tokens: int = 16
+    max_stop_strings: int = 16

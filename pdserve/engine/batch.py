@@ -1,0 +1,74 @@
+"""One forward step's inputs: built from plain per-sequence lists, consumed by model + backend."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class SeqInput:
+    """One sequence's part of a step: ``token_ids`` at positions ``start_pos ...``."""
+
+    token_ids: list[int]
+    start_pos: int            # tokens of this sequence already in the pool
+    page_ids: list[int]       # pages covering at least start_pos + len(token_ids) tokens
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass
+class ForwardBatch:
+    is_decode: bool
+    input_ids: torch.Tensor        # [num_tokens] int64
+    positions: torch.Tensor        # [num_tokens] int64
+    seq_ids: torch.Tensor          # [num_tokens] int64: which sequence each token belongs to
+    cu_seqlens_q: torch.Tensor     # [batch + 1] int32
+    seq_lens_kv: torch.Tensor      # [batch] int32: cached + new tokens
+    page_table: torch.Tensor       # [batch, max_pages] int32, padded with the null page
+    out_slots: torch.Tensor        # [num_tokens] int64: page * page_size + offset of each new token
+    logits_indices: torch.Tensor   # [batch] int64: each sequence's last new token
+    max_seqlen_q: int
+    max_seqlen_kv: int
+    page_size: int
+    attn_metadata: Any = field(default=None)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.seq_lens_kv.shape[0])
+
+    @classmethod
+    def build(cls, seqs: list[SeqInput], page_size: int, device: torch.device) -> ForwardBatch:
+        lens_q = [len(s.token_ids) for s in seqs]
+        lens_kv = [s.end_pos for s in seqs]
+        max_pages = max(len(s.page_ids) for s in seqs)
+        # The per-sequence Python lists become tensors once here; everything per token below is
+        # tensor arithmetic.
+        input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long)
+        lens_q_t = torch.tensor(lens_q, dtype=torch.long)
+        cu = torch.zeros(len(seqs) + 1, dtype=torch.long)
+        torch.cumsum(lens_q_t, 0, out=cu[1:])
+        seq_ids = torch.repeat_interleave(torch.arange(len(seqs)), lens_q_t)
+        starts = torch.tensor([s.start_pos for s in seqs], dtype=torch.long)
+        positions = starts[seq_ids] + torch.arange(len(input_ids)) - cu[:-1][seq_ids]
+        page_table = torch.zeros(len(seqs), max_pages, dtype=torch.int32)
+        for row, s in enumerate(seqs):
+            page_table[row, :len(s.page_ids)] = torch.tensor(s.page_ids, dtype=torch.int32)
+        out_slots = page_table[seq_ids, positions // page_size].long() * page_size + positions % page_size
+        return cls(
+            is_decode=all(n == 1 for n in lens_q) and any(s.start_pos > 0 for s in seqs),
+            input_ids=input_ids.to(device),
+            positions=positions.to(device),
+            seq_ids=seq_ids.to(device),
+            cu_seqlens_q=cu.to(torch.int32).to(device),
+            seq_lens_kv=torch.tensor(lens_kv, dtype=torch.int32).to(device),
+            page_table=page_table.to(device),
+            out_slots=out_slots.to(device),
+            logits_indices=(cu[1:] - 1).to(device),
+            max_seqlen_q=max(lens_q),
+            max_seqlen_kv=max(lens_kv),
+            page_size=page_size,
+        )

@@ -1,0 +1,64 @@
+"""The model runner: turns a step's sequences into tensors, runs the model, samples."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pdserve.attention import create_backend, resolve_backend
+from pdserve.config import EngineConfig
+from pdserve.engine.batch import ForwardBatch, SeqInput
+from pdserve.engine.sampling import SampleRow, sample
+from pdserve.kvcache.pool import KVLayout, KVPool
+from pdserve.models.loader import load_model
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class ModelRunner:
+    """Owns the model, the KV pool and the attention backend of one worker."""
+
+    def __init__(self, config: EngineConfig, role: str) -> None:
+        if config.torch_threads > 0:
+            torch.set_num_threads(config.torch_threads)
+        self.device = resolve_device(config.device)
+        self.model = load_model(config.model, config.dtype, self.device, config.seed)
+        self.model_config = self.model.config
+        dtype = next(self.model.parameters()).dtype
+        self.layout = KVLayout(
+            model=self.model_config.name, dtype=str(dtype).removeprefix("torch."),
+            page_size=config.page_size, num_layers=self.model_config.num_layers,
+            num_kv_heads=self.model_config.num_kv_heads, head_dim=self.model_config.head_dim)
+        num_pages = config.num_pages or self._pages_for_budget(config.kv_cache_gb, dtype)
+        self.pool = KVPool(self.layout, num_pages, dtype, self.device)
+        self.backend_name, reason = resolve_backend(config.attention_backend, role, self.device)
+        self.attn = create_backend(self.backend_name, self.pool, self.model_config.num_heads,
+                                   self.model_config.head_dim)
+        log.info("%s: model %s (%s) on %s; attention backend %r (%s); %d KV pages of %d tokens",
+                 role, self.model_config.name, self.layout.dtype, self.device, self.backend_name,
+                 reason, num_pages, config.page_size)
+
+    def _pages_for_budget(self, kv_cache_gb: float, dtype: torch.dtype) -> int:
+        cfg = self.model_config
+        bytes_per_page = (cfg.num_layers * 2 * self.layout.page_size * cfg.num_kv_heads
+                          * cfg.head_dim * torch.empty((), dtype=dtype).element_size())
+        return max(2, int(kv_cache_gb * (1 << 30)) // bytes_per_page)
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[SeqInput]) -> torch.Tensor:
+        """Runs one step; returns float32 logits of each sequence's last new token."""
+        batch = ForwardBatch.build(seqs, self.pool.page_size, self.device)
+        self.attn.prepare_metadata(batch)
+        return self.model(batch, self.attn)
+
+    @torch.inference_mode()
+    def step(self, seqs: list[SeqInput], rows: list[SampleRow]) -> list[int]:
+        """Runs one step and samples one token per sequence."""
+        tokens = sample(self.forward(seqs), rows)
+        return tokens.tolist()  # the step's one host sync: only the chosen ids cross

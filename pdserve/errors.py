@@ -1,0 +1,38 @@
+"""Typed errors, each carrying the gRPC status it maps to (mapped once, in grpc_util)."""
+from __future__ import annotations
+
+import grpc
+
+
+class PdserveError(Exception):
+    """Base class: an error with a message meant for the client."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+
+class InvalidRequest(PdserveError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class Overloaded(PdserveError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class NoHealthyWorker(PdserveError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class UnknownRequest(PdserveError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class LayoutMismatch(PdserveError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class RequestAborted(PdserveError):
+    code = grpc.StatusCode.ABORTED
+
+
+class TransferFailed(PdserveError):
+    code = grpc.StatusCode.UNAVAILABLE

@@ -1,0 +1,102 @@
+"""The paged KV pool: one tensor per process and the allocator of its pages."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.errors import Overloaded
+
+NULL_PAGE = 0
+"""Page 0 is never handed out: padding rows of page tables point at it."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What both ends of a KV transfer must agree on."""
+
+    model: str
+    dtype: str
+    page_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def mismatch(self, other: KVLayout) -> str | None:
+        """A readable description of how ``other`` differs from us, or None if it matches."""
+        diffs = [f"{field}: ours {getattr(self, field)!r}, theirs {getattr(other, field)!r}"
+                 for field in self.__dataclass_fields__ if getattr(self, field) != getattr(other, field)]
+        return "; ".join(diffs) or None
+
+
+class KVPool:
+    """``[num_layers, 2 (K, V), num_pages, page_size, num_kv_heads, head_dim]``.
+
+    ``tensor[l, 0]`` / ``tensor[l, 1]`` are the paged k/v caches that FA3 and FlashInfer (NHD)
+    take, so a page id means the same thing to every attention backend and transfer engine.
+    """
+
+    def __init__(self, layout: KVLayout, num_pages: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        if num_pages < 2:
+            raise ValueError("a KV pool needs at least 2 pages (page 0 is reserved)")
+        self.layout = layout
+        self.page_size = layout.page_size
+        self.num_pages = num_pages
+        self.tensor = torch.zeros(layout.num_layers, 2, num_pages, layout.page_size,
+                                  layout.num_kv_heads, layout.head_dim, dtype=dtype, device=device)
+        self.allocator = PageAllocator(num_pages)
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self.tensor[:, :, 0].numel() * self.tensor.element_size()
+
+    def k_cache(self, layer: int) -> torch.Tensor:
+        return self.tensor[layer, 0]
+
+    def v_cache(self, layer: int) -> torch.Tensor:
+        return self.tensor[layer, 1]
+
+    def read_pages(self, page_ids: list[int]) -> torch.Tensor:
+        """A contiguous copy of pages, shaped ``[num_layers, 2, len(page_ids), ...]``."""
+        index = torch.tensor(page_ids, dtype=torch.long, device=self.tensor.device)
+        return self.tensor.index_select(2, index)
+
+    def write_pages(self, page_ids: list[int], pages: torch.Tensor) -> None:
+        index = torch.tensor(page_ids, dtype=torch.long, device=self.tensor.device)
+        self.tensor.index_copy_(2, index, pages.to(self.tensor.device))
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+
+class PageAllocator:
+    """Free-list allocator; all-or-nothing allocation; detects double frees."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.total = num_pages - 1
+        self._free = list(range(num_pages - 1, NULL_PAGE, -1))
+        self._in_use = bytearray(num_pages)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def can_alloc(self, count: int) -> bool:
+        return count <= len(self._free)
+
+    def alloc(self, count: int) -> list[int]:
+        if count > len(self._free):
+            raise Overloaded(f"out of KV pages: need {count}, {len(self._free)} free")
+        pages = self._free[len(self._free) - count:]
+        del self._free[len(self._free) - count:]
+        for page in pages:
+            self._in_use[page] = 1
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        for page in pages:
+            if not self._in_use[page]:
+                raise RuntimeError(f"page {page} freed twice")
+            self._in_use[page] = 0
+        self._free.extend(pages)

@@ -1,0 +1,127 @@
+"""The architecture of a Llama-family decoder, read from a Hugging Face config.json or a preset."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3 style frequency scaling ("rope_type": "llama3")."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    family: str                      # "llama", "qwen2" or "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_model_len: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    dtype: str = "float32"           # the checkpoint's dtype
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    # transformers >= 5 writes "rope_parameters"; older versions "rope_theta" + "rope_scaling".
+    params = cfg.get("rope_parameters") or {}
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    scaling = cfg.get("rope_scaling") or params
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type in (None, "default"):
+        return theta, None
+    if rope_type != "llama3":
+        raise ValueError(f"unsupported rope scaling {rope_type!r} (supported: default, llama3)")
+    return theta, RopeScaling(
+        factor=float(scaling["factor"]),
+        low_freq_factor=float(scaling["low_freq_factor"]),
+        high_freq_factor=float(scaling["high_freq_factor"]),
+        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+    )
+
+
+def config_from_hf(cfg: dict[str, Any], name: str,
+                   generation_config: dict[str, Any] | None = None) -> ModelConfig:
+    """Builds a ModelConfig from a parsed HF config.json (and generation_config.json)."""
+    archs = cfg.get("architectures") or []
+    family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if family is None:
+        raise ValueError(f"unsupported architectures {archs}; supported: "
+                         + ", ".join(SUPPORTED_ARCHITECTURES))
+    num_heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    theta, scaling = _rope(cfg)
+    eos = _eos_ids((generation_config or {}).get("eos_token_id")) or _eos_ids(cfg.get("eos_token_id"))
+    return ModelConfig(
+        name=name,
+        family=family,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+        head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+        max_model_len=int(cfg.get("max_position_embeddings", 4096)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+        o_bias=family != "qwen2" and bool(cfg.get("attention_bias", False)),
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qk_norm=family == "qwen3",
+        dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos,
+    )
+
+
+def load_hf_config(model_dir: Path) -> ModelConfig:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    gen_path = model_dir / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.exists() else None
+    return config_from_hf(cfg, name=model_dir.name, generation_config=gen)

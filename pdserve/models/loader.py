@@ -1,0 +1,117 @@
+"""Builds a CausalLM from a Hugging Face folder (safetensors) or a preset (random weights)."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from pdserve.models.config import ModelConfig, load_hf_config
+from pdserve.models.llama import CausalLM
+from pdserve.models.presets import PRESETS
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def model_config(model: str) -> ModelConfig:
+    """The config of a model folder or preset, without loading weights."""
+    path = Path(model)
+    if path.is_dir():
+        return load_hf_config(path)
+    if model in PRESETS:
+        return PRESETS[model]
+    raise ValueError(f"--model {model!r} is neither a folder nor a preset "
+                     f"(presets: {', '.join(PRESETS)})")
+
+
+def resolve_dtype(requested: str, config: ModelConfig) -> torch.dtype:
+    name = config.dtype if requested == "auto" else requested
+    if name not in DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def load_model(model: str, dtype: str, device: torch.device, seed: int = 0) -> CausalLM:
+    """The model in ``dtype`` ("auto": the checkpoint's) on ``device``, ready for inference."""
+    config = model_config(model)
+    torch_dtype = resolve_dtype(dtype, config)
+    with torch.device("meta"):
+        net = CausalLM(config)
+    net = net.to_empty(device=device).to(torch_dtype)
+    if Path(model).is_dir():
+        _load_safetensors(net, Path(model))
+    else:
+        _init_random(net, seed)
+    net.init_rope(device)
+    return net.eval().requires_grad_(False)
+
+
+def _fused_slot(config: ModelConfig, name: str) -> tuple[str, int, int]:
+    """Maps a checkpoint tensor name to (our parameter, row offset, rows); rows -1 = whole."""
+    name = name.removeprefix("model.")
+    q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
+    fused = {
+        ".self_attn.q_proj.": (".self_attn.qkv_proj.", 0, q),
+        ".self_attn.k_proj.": (".self_attn.qkv_proj.", q, kv),
+        ".self_attn.v_proj.": (".self_attn.qkv_proj.", q + kv, kv),
+        ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0, inter),
+        ".mlp.up_proj.": (".mlp.gate_up_proj.", inter, inter),
+    }
+    for part, (ours, offset, rows) in fused.items():
+        if part in name:
+            return name.replace(part, ours), offset, rows
+    return name, 0, -1
+
+
+def _checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return sorted({model_dir / f for f in weight_map.values()})
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    return files
+
+
+@torch.no_grad()
+def _load_safetensors(net: CausalLM, model_dir: Path) -> None:
+    from safetensors import safe_open
+
+    params = dict(net.named_parameters())
+    rows_left = {name: p.shape[0] for name, p in params.items()}
+    for file in _checkpoint_files(model_dir):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                if "rotary_emb" in key or (key == "lm_head.weight" and net.config.tie_word_embeddings):
+                    continue
+                name, offset, rows = _fused_slot(net.config, key)
+                if name not in params:
+                    raise ValueError(f"{file.name}: unexpected tensor {key!r}")
+                target = params[name] if rows < 0 else params[name][offset:offset + rows]
+                tensor = f.get_tensor(key)
+                if tensor.shape != target.shape:
+                    raise ValueError(f"{key}: shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+                target.copy_(tensor)
+                rows_left[name] -= target.shape[0]
+    missing = [name for name, left in rows_left.items() if left != 0]
+    if missing:
+        raise ValueError(f"{model_dir}: checkpoint lacks {', '.join(sorted(missing)[:5])}")
+
+
+@torch.no_grad()
+def _init_random(net: CausalLM, seed: int) -> None:
+    # Drawn on the CPU in a fixed order so every process (and every device) gets the same weights.
+    # Scales keep activations and logits O(1), so greedy choices are far from ties.
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in sorted(net.named_parameters()):
+        if "norm" in name:
+            values = torch.ones(param.shape)
+        elif name.endswith("bias"):
+            values = torch.randn(param.shape, generator=gen) * 0.1
+        elif name == "embed_tokens.weight":
+            values = torch.randn(param.shape, generator=gen)
+        else:
+            values = torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[1])
+        param.copy_(values)

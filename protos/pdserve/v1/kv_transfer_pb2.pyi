@@ -1,0 +1,50 @@
+from protos.pdserve.v1 import worker_pb2 as _worker_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class HandshakeRequest(_message.Message):
+    __slots__ = ("layout", "engine")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    layout: _worker_pb2.KVLayout
+    engine: str
+    def __init__(self, layout: _Optional[_Union[_worker_pb2.KVLayout, _Mapping]] = ..., engine: _Optional[str] = ...) -> None: ...
+
+class HandshakeResponse(_message.Message):
+    __slots__ = ("engine_metadata",)
+    ENGINE_METADATA_FIELD_NUMBER: _ClassVar[int]
+    engine_metadata: bytes
+    def __init__(self, engine_metadata: _Optional[bytes] = ...) -> None: ...
+
+class PageChunk(_message.Message):
+    __slots__ = ("request_id", "page_ids", "data")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    page_ids: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, request_id: _Optional[str] = ..., page_ids: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class WritePagesResponse(_message.Message):
+    __slots__ = ("bytes_written",)
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    bytes_written: int
+    def __init__(self, bytes_written: _Optional[int] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("request_id", "num_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    num_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class CommitResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
