@@ -36,3 +36,11 @@ class RequestAborted(PdserveError):
 
 class TransferFailed(PdserveError):
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class UpstreamError(PdserveError):
+    """A worker's gRPC error, passed on to the client with its status code."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code

@@ -1,0 +1,150 @@
+"""Reservations: KV pages held for a request from Reserve until its decode ends (a lease).
+
+Admission control lives here: a Reserve waits (FIFO, bounded) for pages; one that can never fit,
+or finds the wait queue full, or waits too long, gets RESOURCE_EXHAUSTED. Everything runs on the
+server's event loop thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.errors import InvalidRequest, Overloaded, UnknownRequest
+from pdserve.kvcache.pool import KVPool
+
+log = logging.getLogger(__name__)
+
+
+class State(enum.Enum):
+    RESERVED = "reserved"       # pages held, waiting for prefill's KV
+    COMMITTED = "committed"     # prompt KV complete, waiting for Decode
+    DECODING = "decoding"       # owned by the decode loop
+
+
+@dataclass
+class Reservation:
+    request_id: str
+    prompt_len: int
+    max_new_tokens: int
+    pages: list[int]                # prompt pages first, then room for generated tokens
+    prompt_pages: int
+    state: State = State.RESERVED
+    lease: asyncio.TimerHandle | None = field(default=None, repr=False)
+
+
+class ReservationTable:
+    def __init__(self, pool: KVPool, max_queued: int, wait_s: float, lease_timeout_s: float) -> None:
+        self.pool = pool
+        self.max_queued = max_queued
+        self.wait_s = wait_s
+        self.lease_timeout_s = lease_timeout_s
+        self._by_id: dict[str, Reservation] = {}
+        self._waiters: deque[asyncio.Future] = deque()
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiters)
+
+    def pages_needed(self, prompt_len: int, max_new_tokens: int) -> int:
+        # KV is stored for the prompt and every generated token but the last.
+        return self.pool.pages_for(prompt_len + max_new_tokens - 1)
+
+    async def reserve(self, request_id: str, prompt_len: int, max_new_tokens: int) -> Reservation:
+        if prompt_len < 1 or max_new_tokens < 1:
+            raise InvalidRequest("prompt_len and max_new_tokens must be at least 1")
+        if request_id in self._by_id:
+            raise InvalidRequest(f"request {request_id!r} already has a reservation")
+        needed = self.pages_needed(prompt_len, max_new_tokens)
+        allocator = self.pool.allocator
+        if needed > allocator.total:
+            raise Overloaded(f"request needs {needed} KV pages; this decode worker has "
+                             f"{allocator.total} in all")
+        if self._waiters or not allocator.can_alloc(needed):
+            await self._wait_for(needed)
+        res = Reservation(request_id, prompt_len, max_new_tokens, allocator.alloc(needed),
+                          prompt_pages=self.pool.pages_for(prompt_len))
+        self._by_id[request_id] = res
+        res.lease = asyncio.get_running_loop().call_later(
+            self.lease_timeout_s, self._expire, request_id, res)
+        self._wake_next()
+        return res
+
+    async def _wait_for(self, needed: int) -> None:
+        if len(self._waiters) >= self.max_queued:
+            raise Overloaded(f"decode worker overloaded: {len(self._waiters)} reservations waiting")
+        waiter = asyncio.get_running_loop().create_future()
+        waiter.needed = needed  # type: ignore[attr-defined]
+        self._waiters.append(waiter)
+        self._wake_next()
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter), self.wait_s)
+        except asyncio.TimeoutError:
+            raise Overloaded(f"no KV pages for {needed} pages within {self.wait_s:g} s") from None
+        finally:
+            if self._waiters and self._waiters[0] is waiter:
+                self._waiters.popleft()
+            elif waiter in self._waiters:
+                self._waiters.remove(waiter)
+            waiter.cancel()
+
+    def _wake_next(self) -> None:
+        """Lets the first waiter go if its pages are free now (FIFO: later ones wait behind it)."""
+        if self._waiters:
+            head = self._waiters[0]
+            if not head.done() and self.pool.allocator.can_alloc(head.needed):
+                head.set_result(None)
+
+    def get(self, request_id: str) -> Reservation:
+        res = self._by_id.get(request_id)
+        if res is None:
+            raise UnknownRequest(f"no reservation for request {request_id!r} (expired or released)")
+        return res
+
+    # TransferSink
+    def check_write(self, request_id: str, page_ids: list[int]) -> None:
+        res = self.get(request_id)
+        if res.state is not State.RESERVED:
+            raise InvalidRequest(f"request {request_id!r} is {res.state.value}, not receiving KV")
+        allowed = set(res.pages[:res.prompt_pages])
+        if not allowed.issuperset(page_ids):
+            raise InvalidRequest(f"pages outside request {request_id!r}'s reservation")
+
+    def commit(self, request_id: str, num_tokens: int) -> None:
+        res = self.get(request_id)
+        if res.state is not State.RESERVED:
+            raise InvalidRequest(f"request {request_id!r} is {res.state.value}; cannot commit")
+        if num_tokens != res.prompt_len:
+            raise InvalidRequest(f"commit of {num_tokens} tokens; reserved for {res.prompt_len}")
+        res.state = State.COMMITTED
+
+    def start_decoding(self, request_id: str) -> Reservation:
+        res = self.get(request_id)
+        if res.state is not State.COMMITTED:
+            raise InvalidRequest(f"request {request_id!r} is {res.state.value}; its KV is not committed")
+        res.state = State.DECODING
+        if res.lease:
+            res.lease.cancel()
+        return res
+
+    def release(self, request_id: str) -> bool:
+        """Frees a reservation's pages; False if there was none."""
+        res = self._by_id.pop(request_id, None)
+        if res is None:
+            return False
+        if res.lease:
+            res.lease.cancel()
+        self.pool.allocator.free(res.pages)
+        self._wake_next()
+        return True
+
+    def _expire(self, request_id: str, res: Reservation) -> None:
+        if self._by_id.get(request_id) is res and res.state is not State.DECODING:
+            log.warning("reservation %s expired in state %s; freeing %d pages",
+                        request_id, res.state.value, len(res.pages))
+            self.release(request_id)

@@ -1,0 +1,110 @@
+"""DecodeService: reservations, KV receipt (KVTransferService) and streaming decode."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from decode_service.reservations import ReservationTable
+from decode_service.scheduler import DecodeLoop, DecodeRequest
+from kv_transfer.base import KVTarget
+from kv_transfer.service import KVTransferServicer
+from pdserve.config import DecodeConfig
+from pdserve.engine.runner import ModelRunner
+from pdserve.errors import InvalidRequest, PdserveError
+from pdserve.grpc_util import Server, map_errors
+from pdserve.metrics import Metrics
+from pdserve.proto_convert import sampling_from_proto, worker_info
+from pdserve.serving import advertised_address, serve_until_signal, start_metrics, worker_id
+from protos.pdserve.v1 import (decode_pb2, decode_pb2_grpc, generate_pb2, kv_transfer_pb2,
+                               kv_transfer_pb2_grpc, worker_pb2)
+
+log = logging.getLogger(__name__)
+
+FINISH_REASONS = {"length": generate_pb2.FINISH_REASON_LENGTH,
+                  "stop": generate_pb2.FINISH_REASON_STOP}
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
+    def __init__(self, runner: ModelRunner, table: ReservationTable, loop: DecodeLoop,
+                 address: str, worker: str) -> None:
+        self.runner = runner
+        self.table = table
+        self.loop = loop
+        self.address = address
+        self.worker = worker
+
+    @map_errors
+    async def Reserve(self, request: decode_pb2.ReserveRequest,
+                      context: grpc.aio.ServicerContext) -> decode_pb2.ReserveResponse:
+        if not request.request_id:
+            raise InvalidRequest("request_id is required")
+        res = await self.table.reserve(request.request_id, request.prompt_len,
+                                       request.max_new_tokens)
+        target = KVTarget("grpc", self.address, request.request_id, res.pages[:res.prompt_pages])
+        return decode_pb2.ReserveResponse(kv_target=target.to_proto())
+
+    @map_errors
+    async def Decode(self, request: decode_pb2.DecodeRequest,
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        res = self.table.start_decoding(request.request_id)
+        req = DecodeRequest(request.request_id, res, sampling_from_proto(request.sampling),
+                            list(request.prompt_token_ids), [request.first_token_id])
+        self.loop.add(req)
+        try:
+            while True:
+                update = await req.updates.get()
+                tokens = list(update.token_ids)
+                # Whatever piled up while the client was slow goes out in one message.
+                while update.finish_reason is None and not req.updates.empty():
+                    update = req.updates.get_nowait()
+                    tokens.extend(update.token_ids)
+                if update.finish_reason == "error":
+                    raise PdserveError("decode step failed on the worker")
+                yield decode_pb2.DecodeResponse(
+                    token_ids=tokens,
+                    finish_reason=FINISH_REASONS.get(update.finish_reason,
+                                                     generate_pb2.FINISH_REASON_UNSPECIFIED))
+                if update.finish_reason is not None:
+                    return
+        finally:
+            self.loop.abort(request.request_id)
+
+    @map_errors
+    async def Release(self, request: decode_pb2.ReleaseRequest,
+                      context: grpc.aio.ServicerContext) -> decode_pb2.ReleaseResponse:
+        released = self.loop.abort(request.request_id) or self.table.release(request.request_id)
+        return decode_pb2.ReleaseResponse(released=released)
+
+    @map_errors
+    async def GetWorkerInfo(self, request: worker_pb2.GetWorkerInfoRequest,
+                            context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
+        return worker_info(self.runner, "decode", self.worker, running=self.loop.num_running,
+                           queued=self.loop.num_waiting + self.table.num_waiting,
+                           reservations=len(self.table), engines=["grpc"])
+
+
+async def serve(config: DecodeConfig) -> None:
+    runner = ModelRunner(config.engine, "decode")
+    server = Server(config.server.host, config.server.port)
+    worker = worker_id(config.server, "decode", server.port)
+    metrics = Metrics("decode", worker)
+    table = ReservationTable(runner.pool, config.max_queued_reservations, config.reserve_wait_s,
+                             config.lease_timeout_s)
+    loop = DecodeLoop(runner, table, config.max_running_requests, metrics)
+    servicer = DecodeServicer(runner, table, loop, advertised_address(config.server, server.port),
+                              worker)
+    server.add(decode_pb2_grpc.add_DecodeServiceServicer_to_server, servicer,
+               [decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name])
+    server.add(kv_transfer_pb2_grpc.add_KVTransferServiceServicer_to_server, KVTransferServicer(runner.pool, table, metrics.transferred),
+               [kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransferService"].full_name])
+    metrics_url = start_metrics(config.server, metrics)
+    loop_task = asyncio.create_task(loop.run(), name="decode-loop")
+    try:
+        await serve_until_signal(server, "decode", metrics_url)
+    finally:
+        loop_task.cancel()
+        loop.shutdown()
+

@@ -1,0 +1,47 @@
+"""KVTransferService: the receiving end of every engine, served by decode workers."""
+from __future__ import annotations
+
+import grpc
+
+from kv_transfer.base import TransferSink
+from kv_transfer.grpc_engine import GrpcReceiver
+from pdserve.errors import LayoutMismatch
+from pdserve.grpc_util import map_errors
+from pdserve.kvcache.pool import KVPool
+from pdserve.proto_convert import layout_from_proto
+from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+
+
+class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
+    def __init__(self, pool: KVPool, sink: TransferSink, on_bytes=None) -> None:  # noqa: ANN001
+        self.pool = pool
+        self.sink = sink
+        self.receivers = {"grpc": GrpcReceiver(pool, sink)}
+        self._on_bytes = on_bytes or (lambda n: None)
+
+    @map_errors
+    async def Handshake(self, request: kv_transfer_pb2.HandshakeRequest,
+                        context: grpc.aio.ServicerContext) -> kv_transfer_pb2.HandshakeResponse:
+        diff = self.pool.layout.mismatch(layout_from_proto(request.layout))
+        if diff:
+            raise LayoutMismatch(f"KV layout mismatch ({diff})")
+        receiver = self.receivers.get(request.engine)
+        if receiver is None:
+            raise LayoutMismatch(f"transfer engine {request.engine!r} not served here "
+                                 f"(served: {', '.join(self.receivers)})")
+        return kv_transfer_pb2.HandshakeResponse(engine_metadata=receiver.metadata())
+
+    @map_errors
+    async def WritePages(self, request_iterator, context: grpc.aio.ServicerContext  # noqa: ANN001
+                         ) -> kv_transfer_pb2.WritePagesResponse:
+        written = 0
+        async for chunk in request_iterator:
+            written += self.receivers["grpc"].write(chunk)
+        self._on_bytes(written)
+        return kv_transfer_pb2.WritePagesResponse(bytes_written=written)
+
+    @map_errors
+    async def Commit(self, request: kv_transfer_pb2.CommitRequest,
+                     context: grpc.aio.ServicerContext) -> kv_transfer_pb2.CommitResponse:
+        self.sink.commit(request.request_id, request.num_tokens)
+        return kv_transfer_pb2.CommitResponse()

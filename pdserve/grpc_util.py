@@ -1,0 +1,92 @@
+"""gRPC plumbing every role shares: servers with health and reflection, channels, error mapping."""
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pdserve.errors import PdserveError
+
+log = logging.getLogger(__name__)
+
+# KV page chunks and long prompts are larger than gRPC's 4 MiB default.
+MAX_MESSAGE_BYTES = 256 << 20
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.enable_retries", 0),
+]
+
+
+def channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+class Server:
+    """A grpc.aio server on one port with grpc.health.v1 and reflection."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.grpc = grpc.aio.server(options=CHANNEL_OPTIONS)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        self._service_names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
+        self.port = self.grpc.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {host}:{port}")
+        self.host = host
+
+    def add(self, add_fn: Callable[[Any, grpc.aio.Server], None], servicer: Any,
+            descriptor_service_names: Iterable[str]) -> None:
+        add_fn(servicer, self.grpc)
+        self._service_names.extend(descriptor_service_names)
+
+    async def start(self) -> None:
+        reflection.enable_server_reflection([*self._service_names, reflection.SERVICE_NAME], self.grpc)
+        await self.set_serving(False)  # until the role says it is ready
+        await self.grpc.start()
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ["", *self._service_names]:
+            await self.health.set(name, status)
+
+    async def stop(self, grace_s: float) -> None:
+        await self.set_serving(False)
+        await self.grpc.stop(grace_s)
+
+
+def map_errors(handler: Callable) -> Callable:
+    """Servicer method decorator: our typed errors become their gRPC status, once, here.
+
+    Works for unary handlers (coroutines) and server-streaming ones (async generators).
+    """
+    if asyncio.iscoroutinefunction(handler):
+        @functools.wraps(handler)
+        async def unary(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                return await handler(self, request, context)
+            except PdserveError as err:
+                await context.abort(err.code, str(err))
+        return unary
+
+    @functools.wraps(handler)
+    async def streaming(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator:
+        try:
+            async for item in handler(self, request, context):
+                yield item
+        except PdserveError as err:
+            await context.abort(err.code, str(err))
+    return streaming
+
+
+def time_remaining(context: grpc.aio.ServicerContext) -> float | None:
+    """Seconds left of the caller's deadline (None: no deadline), for calls made on its behalf."""
+    remaining = context.time_remaining()
+    return None if remaining is None or remaining > 1e8 else max(remaining, 0.001)

@@ -1,0 +1,51 @@
+"""Process-level helpers for every role: logging, metrics, serving until SIGINT/SIGTERM."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+
+from pdserve.config import ServerConfig
+from pdserve.grpc_util import Server
+from pdserve.metrics import Metrics
+
+log = logging.getLogger("pdserve")
+
+
+def setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def worker_id(config: ServerConfig, role: str, port: int) -> str:
+    return config.worker_id or f"{role}-{socket.gethostname()}-{port}"
+
+
+def advertised_address(config: ServerConfig, port: int) -> str:
+    return f"{config.advertise_host or config.host}:{port}"
+
+
+def start_metrics(config: ServerConfig, metrics: Metrics) -> str:
+    """Starts the exporter if asked; returns its URL or '' if none."""
+    if config.metrics_port < 0:
+        return ""
+    port = metrics.serve(config.host, config.metrics_port)
+    return f"http://{config.host}:{port}/metrics"
+
+
+async def serve_until_signal(server: Server, role: str, metrics_url: str, serving: bool = True,
+                             grace_s: float = 5.0) -> None:
+    """Starts the server (SERVING at once unless ``serving`` is False: the caller flips it),
+    logs where it listens, waits for SIGINT/SIGTERM, then drains in-flight calls."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    if serving:
+        await server.set_serving(True)
+    log.info("%s serving gRPC on %s:%d%s", role, server.host, server.port,
+             f", metrics on {metrics_url}" if metrics_url else "")
+    await stop.wait()
+    log.info("%s stopping (grace %.0f s)", role, grace_s)
+    await server.stop(grace_s)

@@ -1,0 +1,197 @@
+"""The prefill scheduler: batches waiting prompts up to a token budget, chunking long ones.
+
+Each step takes up to ``chunk_size`` prompt tokens across requests in arrival order; a prompt
+longer than what is left of the budget continues in the next step, attending to the pages its
+earlier chunks wrote. When a prompt's last chunk is done its first token is sampled and its pages
+are pushed to the decode worker's reservation; the prefill pages are freed once that transfer
+ends, however it ends.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from kv_transfer import create_sender
+from kv_transfer.base import KVTarget, TransferSender
+from pdserve.engine.batch import SeqInput
+from pdserve.engine.runner import ModelRunner
+from pdserve.engine.sampling import SampleRow, SamplingParams
+from pdserve.errors import InvalidRequest, Overloaded
+from pdserve.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class PrefillTask:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    target: KVTarget
+    result: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    pages: list[int] = field(default_factory=list)
+    computed: int = 0                              # prompt tokens already in the pool
+    aborted: bool = False
+    transfer: asyncio.Task | None = None
+    enqueued_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def remaining(self) -> int:
+        return len(self.prompt_ids) - self.computed
+
+
+class PrefillScheduler:
+    def __init__(self, runner: ModelRunner, chunk_size: int, max_queued: int,
+                 transfer_timeout_s: float, metrics: Metrics) -> None:
+        self.runner = runner
+        self.pool = runner.pool
+        self.chunk_size = chunk_size
+        self.max_queued = max_queued
+        self.transfer_timeout_s = transfer_timeout_s
+        self.metrics = metrics
+        self._waiting: deque[PrefillTask] = deque()    # no pages yet
+        self._running: list[PrefillTask] = []           # pages held, prompt not done
+        self._transferring: set[PrefillTask] = set()
+        self._in_step: set[PrefillTask] = set()
+        self._senders: dict[str, TransferSender] = {}
+        self._wake = asyncio.Event()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="prefill-step")
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running) + len(self._transferring)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    async def submit(self, task: PrefillTask) -> int:
+        """Runs a prompt to its first token, KV committed at the target; returns the token."""
+        needed = self.pool.pages_for(len(task.prompt_ids))
+        if needed > self.pool.allocator.total:
+            raise InvalidRequest(f"prompt of {len(task.prompt_ids)} tokens needs {needed} KV pages; "
+                                 f"the prefill pool has {self.pool.allocator.total}")
+        if len(self._waiting) >= self.max_queued:
+            raise Overloaded(f"prefill worker overloaded: {len(self._waiting)} prompts waiting")
+        self._waiting.append(task)
+        self._wake.set()
+        try:
+            return await asyncio.shield(task.result)
+        finally:
+            if not task.result.done():
+                self.abort(task)
+
+    def abort(self, task: PrefillTask) -> None:
+        task.aborted = True
+        if task in self._waiting:
+            self._waiting.remove(task)
+        if task in self._running:
+            self._running.remove(task)
+            if task not in self._in_step:
+                self._free(task)
+        if task.transfer is not None:
+            task.transfer.cancel()  # its finally frees the pages
+        if not task.result.done():
+            task.result.cancel()
+
+    def _free(self, task: PrefillTask) -> None:
+        if task.pages:
+            self.pool.allocator.free(task.pages)
+            task.pages = []
+            self._wake.set()  # waiting prompts may fit now
+
+    def _admit(self) -> None:
+        while self._waiting:
+            task = self._waiting[0]
+            needed = self.pool.pages_for(len(task.prompt_ids))
+            if not self.pool.allocator.can_alloc(needed):
+                return  # first come, first served: later prompts wait behind this one
+            self._waiting.popleft()
+            task.pages = self.pool.allocator.alloc(needed)
+            self._running.append(task)
+
+    def _plan_step(self) -> list[tuple[PrefillTask, int]]:
+        budget = self.chunk_size
+        plan = []
+        for task in self._running:
+            if budget == 0:
+                break
+            take = min(task.remaining, budget)
+            plan.append((task, take))
+            budget -= take
+        return plan
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._admit()
+            self._publish_load()
+            plan = self._plan_step()
+            if not plan:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            seqs = [SeqInput(t.prompt_ids[t.computed:t.computed + n], t.computed, t.pages)
+                    for t, n in plan]
+            rows = [SampleRow(t.params, output_index=0,
+                              history=t.prompt_ids if t.params.repetition_penalty != 1.0 else None)
+                    for t, _ in plan]
+            self._in_step = {t for t, _ in plan}
+            try:
+                tokens = await loop.run_in_executor(self._executor, self.runner.step, seqs, rows)
+            except Exception as err:
+                log.exception("prefill step failed; failing its %d requests", len(plan))
+                for task, _ in plan:
+                    if not task.result.done():
+                        task.result.set_exception(err)
+                tokens = None
+            finally:
+                self._in_step = set()
+            for (task, taken), token in zip(plan, tokens or [None] * len(plan)):
+                if task.aborted or token is None:
+                    if task in self._running:
+                        self._running.remove(task)
+                    self._free(task)
+                    continue
+                task.computed += taken
+                if task.remaining == 0:
+                    self._running.remove(task)
+                    self.metrics.tokens(prompt=len(task.prompt_ids))
+                    task.transfer = asyncio.create_task(self._transfer(task, token))
+                    self._transferring.add(task)
+
+    async def _transfer(self, task: PrefillTask, first_token: int) -> None:
+        try:
+            sender = self._sender(task.target.engine)
+            moved = await sender.send(task.pages, task.target, len(task.prompt_ids),
+                                      self.transfer_timeout_s)
+            self.metrics.transferred(moved)
+            if not task.result.done():
+                task.result.set_result(first_token)
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:
+            log.warning("request %s: %s", task.request_id, err)
+            if not task.result.done():
+                task.result.set_exception(err)
+        finally:
+            self._transferring.discard(task)
+            self._free(task)
+
+    def _sender(self, engine: str) -> TransferSender:
+        if engine not in self._senders:
+            self._senders[engine] = create_sender(engine, self.pool)
+        return self._senders[engine]
+
+    def _publish_load(self) -> None:
+        self.metrics.set_load(self.num_running, self.num_waiting)
+        self.metrics.set_pool(self.pool.allocator.num_free, self.pool.allocator.total)
+
+    async def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        for sender in self._senders.values():
+            await sender.close()

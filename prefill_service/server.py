@@ -1,0 +1,65 @@
+"""PrefillService: prompt in, KV pushed to the decode reservation, first token out."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from kv_transfer.base import KVTarget
+from pdserve.config import PrefillConfig
+from pdserve.engine.runner import ModelRunner
+from pdserve.errors import InvalidRequest
+from pdserve.grpc_util import Server, map_errors
+from pdserve.metrics import Metrics
+from pdserve.proto_convert import sampling_from_proto, worker_info
+from pdserve.serving import serve_until_signal, start_metrics, worker_id
+from prefill_service.scheduler import PrefillScheduler, PrefillTask
+from protos.pdserve.v1 import prefill_pb2, prefill_pb2_grpc, worker_pb2
+
+log = logging.getLogger(__name__)
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
+    def __init__(self, runner: ModelRunner, scheduler: PrefillScheduler, worker: str) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+        self.worker = worker
+
+    @map_errors
+    async def Prefill(self, request: prefill_pb2.PrefillRequest,
+                      context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:
+        prompt = list(request.prompt_token_ids)
+        if not prompt:
+            raise InvalidRequest("empty prompt")
+        if max(prompt) >= self.runner.model_config.vocab_size:
+            raise InvalidRequest("prompt token id outside the vocabulary")
+        task = PrefillTask(request.request_id, prompt, sampling_from_proto(request.sampling),
+                           KVTarget.from_proto(request.kv_target))
+        first_token = await self.scheduler.submit(task)
+        return prefill_pb2.PrefillResponse(first_token_id=first_token)
+
+    @map_errors
+    async def GetWorkerInfo(self, request: worker_pb2.GetWorkerInfoRequest,
+                            context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
+        return worker_info(self.runner, "prefill", self.worker, running=self.scheduler.num_running,
+                           queued=self.scheduler.num_waiting, reservations=0, engines=["grpc"])
+
+
+async def serve(config: PrefillConfig) -> None:
+    runner = ModelRunner(config.engine, "prefill")
+    server = Server(config.server.host, config.server.port)
+    worker = worker_id(config.server, "prefill", server.port)
+    metrics = Metrics("prefill", worker)
+    scheduler = PrefillScheduler(runner, config.chunk_size, config.max_queued_requests,
+                                 config.transfer_timeout_s, metrics)
+    server.add(prefill_pb2_grpc.add_PrefillServiceServicer_to_server,
+               PrefillServicer(runner, scheduler, worker),
+               [prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name])
+    metrics_url = start_metrics(config.server, metrics)
+    loop_task = asyncio.create_task(scheduler.run(), name="prefill-loop")
+    try:
+        await serve_until_signal(server, "prefill", metrics_url)
+    finally:
+        loop_task.cancel()
+        await scheduler.shutdown()

@@ -1,0 +1,216 @@
+"""GenerationService: the public endpoint. Validates, reserves on decode, prefills, relays tokens."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from pdserve.config import RouterConfig
+from pdserve.errors import PdserveError, UpstreamError
+from pdserve.grpc_util import Server, map_errors, time_remaining
+from pdserve.metrics import Metrics
+from pdserve.models.config import ModelConfig
+from pdserve.models.loader import model_config
+from pdserve.proto_convert import sampling_to_proto
+from pdserve.serving import serve_until_signal, start_metrics, worker_id
+from pdserve.tokenizer import Tokenizer, load_tokenizer
+from protos.pdserve.v1 import decode_pb2, generate_pb2, generate_pb2_grpc, prefill_pb2
+from router.output import Chunk, OutputAssembler
+from router.validation import GenerationJob, validate
+from router.workers import Worker, WorkerPool
+
+log = logging.getLogger(__name__)
+
+FINISH = {None: generate_pb2.FINISH_REASON_UNSPECIFIED, "length": generate_pb2.FINISH_REASON_LENGTH,
+          "stop": generate_pb2.FINISH_REASON_STOP}
+# Failures before the first token that another worker pair may not have.
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+MAX_ATTEMPTS = 3
+
+
+def _upstream(err: grpc.aio.AioRpcError, worker: Worker) -> UpstreamError:
+    return UpstreamError(err.code(), f"{worker.role} worker {worker.address}: {err.details()}")
+
+
+class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
+    def __init__(self, config: RouterConfig, model: ModelConfig, tokenizer: Tokenizer,
+                 workers: WorkerPool, metrics: Metrics) -> None:
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.workers = workers
+        self.metrics = metrics
+        self._cleanup: set[asyncio.Task] = set()
+
+    @map_errors
+    async def GetModelInfo(self, request: generate_pb2.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> generate_pb2.GetModelInfoResponse:
+        return generate_pb2.GetModelInfoResponse(
+            model=self.model.name, vocab_size=self.model.vocab_size,
+            max_model_len=self.model.max_model_len,
+            prefill_workers=len(self.workers.healthy("prefill")),
+            decode_workers=len(self.workers.healthy("decode")))
+
+    async def Generate(self, request: generate_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        started = time.monotonic()
+        outcome = "error"
+        try:
+            job = validate(request, self.model, self.tokenizer, self.config.default_max_new_tokens,
+                           self.config.max_stop_strings)
+            chunks = self._generate(job, context, started)
+            if job.stream:
+                async for chunk in chunks:
+                    yield self._response(job, chunk)
+            else:
+                whole = Chunk()
+                async for chunk in chunks:
+                    whole.token_ids += chunk.token_ids
+                    whole.text += chunk.text
+                    whole.finish_reason = chunk.finish_reason
+                    whole.completion_tokens = chunk.completion_tokens
+                yield self._response(job, whole)
+            outcome = "finished"
+            self.metrics.observe_e2e(time.monotonic() - started)
+        except PdserveError as err:
+            outcome = err.code.name.lower()
+            await context.abort(err.code, str(err))
+        except asyncio.CancelledError:
+            outcome = "deadline_exceeded" if (context.time_remaining() or 1) <= 0 else "cancelled"
+            raise
+        finally:
+            self.metrics.request_done(outcome)
+
+    def _response(self, job: GenerationJob, chunk: Chunk) -> generate_pb2.GenerateResponse:
+        response = generate_pb2.GenerateResponse(request_id=job.request_id, token_ids=chunk.token_ids,
+                                                 text=chunk.text,
+                                                 finish_reason=FINISH[chunk.finish_reason])
+        if chunk.finish_reason is not None:
+            response.usage.prompt_tokens = len(job.prompt_ids)
+            response.usage.completion_tokens = chunk.completion_tokens
+        return response
+
+    async def _generate(self, job: GenerationJob, context: grpc.aio.ServicerContext,
+                        started: float) -> AsyncIterator[Chunk]:
+        output = OutputAssembler(self.tokenizer, job)
+        decode_worker, prefill_worker, first_token = await self._prefill(job, context)
+        decode_call = None
+        finished_on_decode = False
+        try:
+            decode_worker.in_flight += 1
+            self.metrics.observe_ttft(time.monotonic() - started)
+            self.metrics.tokens(prompt=len(job.prompt_ids))
+            chunk = output.add([first_token])
+            yield chunk
+            if output.finished:
+                return
+            decode_call = decode_worker.stub.Decode(decode_pb2.DecodeRequest(
+                request_id=job.worker_request_id, first_token_id=first_token,
+                sampling=sampling_to_proto(job.params), prompt_token_ids=job.prompt_ids),
+                timeout=time_remaining(context))
+            try:
+                async for message in decode_call:
+                    chunk = output.add(list(message.token_ids))
+                    self.metrics.tokens(generated=len(chunk.token_ids))
+                    if message.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
+                        finished_on_decode = True
+                        if not output.finished:  # decode saw a finish we did not: trust it
+                            chunk.finish_reason = output.finish_reason = "length"
+                    yield chunk
+                    if output.finished:
+                        return
+            except grpc.aio.AioRpcError as err:
+                raise _upstream(err, decode_worker) from err
+            raise UpstreamError(grpc.StatusCode.UNAVAILABLE,
+                                f"decode worker {decode_worker.address} ended the stream early")
+        finally:
+            decode_worker.in_flight -= 1
+            if decode_call is not None:
+                decode_call.cancel()
+            if not finished_on_decode:
+                self._release_later(decode_worker, job.worker_request_id)
+
+    async def _prefill(self, job: GenerationJob,
+                       context: grpc.aio.ServicerContext) -> tuple[Worker, Worker, int]:
+        """Reserves on a decode worker and prefills into it, trying other pairs on failures
+        that another pair may not have. Returns (decode, prefill, first token)."""
+        tried: set[str] = set()
+        last_error: PdserveError | None = None
+        for _ in range(MAX_ATTEMPTS):
+            decode_worker = self.workers.pick("decode", exclude=frozenset(tried))
+            prefill_worker = self.workers.pick("prefill")
+            try:
+                reply = await decode_worker.stub.Reserve(decode_pb2.ReserveRequest(
+                    request_id=job.worker_request_id, prompt_len=len(job.prompt_ids),
+                    max_new_tokens=job.params.max_new_tokens), timeout=time_remaining(context))
+            except grpc.aio.AioRpcError as err:
+                last_error = _upstream(err, decode_worker)
+                if err.code() not in RETRYABLE:
+                    raise last_error from err
+                tried.add(decode_worker.address)
+                continue
+            try:
+                prefill_worker.in_flight += 1
+                result = await prefill_worker.stub.Prefill(prefill_pb2.PrefillRequest(
+                    request_id=job.worker_request_id, prompt_token_ids=job.prompt_ids,
+                    sampling=sampling_to_proto(job.params), kv_target=reply.kv_target),
+                    timeout=time_remaining(context))
+                return decode_worker, prefill_worker, result.first_token_id
+            except grpc.aio.AioRpcError as err:
+                self._release_later(decode_worker, job.worker_request_id)
+                last_error = _upstream(err, prefill_worker)
+                if err.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise last_error from err
+                self.workers.mark_unhealthy(prefill_worker, err.details() or "unavailable")
+            except BaseException:
+                self._release_later(decode_worker, job.worker_request_id)
+                raise
+            finally:
+                prefill_worker.in_flight -= 1
+        assert last_error is not None
+        raise last_error
+
+    def _release_later(self, worker: Worker, request_id: str) -> None:
+        """Frees the request's decode reservation in the background (cancellation-proof)."""
+        async def release() -> None:
+            try:
+                await worker.stub.Release(decode_pb2.ReleaseRequest(request_id=request_id),
+                                          timeout=10)
+            except grpc.aio.AioRpcError as err:
+                log.warning("release of %s on %s failed: %s", request_id, worker.address,
+                            err.details())
+        task = asyncio.get_running_loop().create_task(release())
+        self._cleanup.add(task)
+        task.add_done_callback(self._cleanup.discard)
+
+
+async def serve(config: RouterConfig) -> None:
+    model = model_config(config.model)
+    tokenizer = load_tokenizer(config.model)
+    server = Server(config.server.host, config.server.port)
+    metrics = Metrics("router", worker_id(config.server, "router", server.port))
+    workers = WorkerPool(config.prefill_addrs, config.decode_addrs, model, config.health_interval_s)
+    servicer = GenerationServicer(config, model, tokenizer, workers, metrics)
+    server.add(generate_pb2_grpc.add_GenerationServiceServicer_to_server, servicer,
+               [generate_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name])
+    metrics_url = start_metrics(config.server, metrics)
+
+    was_ready = None
+
+    async def on_probe(ready: bool) -> None:
+        nonlocal was_ready
+        if ready != was_ready:
+            log.info("router %s", "ready: workers healthy" if ready else "waiting for healthy workers")
+            was_ready = ready
+        await server.set_serving(ready)
+
+    health_task = asyncio.create_task(workers.run(on_probe), name="worker-health")
+    try:
+        # Health turns SERVING only once a prefill and a decode worker are healthy.
+        await serve_until_signal(server, "router", metrics_url, serving=False)
+    finally:
+        health_task.cancel()
+        await workers.close()
