@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from pdserve.config import RouterConfig
-from pdserve.errors import PdserveError, UpstreamError
+from pdserve.errors import NoHealthyWorker, PdserveError, UpstreamError
 from pdserve.grpc_util import Server, map_errors, time_remaining
 from pdserve.metrics import Metrics
 from pdserve.models.config import ModelConfig
@@ -140,8 +140,13 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
         tried: set[str] = set()
         last_error: PdserveError | None = None
         for _ in range(MAX_ATTEMPTS):
-            decode_worker = self.workers.pick("decode", exclude=frozenset(tried))
-            prefill_worker = self.workers.pick("prefill")
+            try:
+                decode_worker = self.workers.pick("decode", exclude=frozenset(tried))
+                prefill_worker = self.workers.pick("prefill")
+            except NoHealthyWorker:
+                if last_error is None:
+                    raise
+                break  # every worker was tried: the client gets the last worker's answer
             try:
                 reply = await decode_worker.stub.Reserve(decode_pb2.ReserveRequest(
                     request_id=job.worker_request_id, prompt_len=len(job.prompt_ids),

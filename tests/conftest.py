@@ -1,0 +1,128 @@
+"""Fixtures: a real cluster (`pdserve up`: router, prefill and decode processes on free ports)."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+import torch
+
+from protos.pdserve.v1 import (decode_pb2_grpc, generate_pb2, generate_pb2_grpc,
+                               prefill_pb2_grpc, worker_pb2)
+
+# Small pages, a small pool and a small prefill chunk so tests cross page and chunk boundaries.
+CLUSTER_FLAGS = ["--model", "tiny", "--page-size", "4", "--num-pages", "1024", "--chunk-size", "48",
+                 "--torch-threads", "1", "--lease-timeout-s", "3", "--reserve-wait-s", "1",
+                 "--health-interval-s", "0.5"]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Cluster:
+    process: subprocess.Popen
+    address: str
+    workers: dict[str, list[str]] = field(default_factory=dict)   # role -> grpc addresses
+    pids: dict[str, int] = field(default_factory=dict)
+
+    def channel(self) -> grpc.Channel:
+        return grpc.insecure_channel(self.address)
+
+    def stub(self) -> generate_pb2_grpc.GenerationServiceStub:
+        return generate_pb2_grpc.GenerationServiceStub(self.channel())
+
+    def worker_info(self, role: str, index: int = 0) -> worker_pb2.WorkerInfo:
+        stub_cls = {"prefill": prefill_pb2_grpc.PrefillServiceStub,
+                    "decode": decode_pb2_grpc.DecodeServiceStub}[role]
+        with grpc.insecure_channel(self.workers[role][index]) as ch:
+            return stub_cls(ch).GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=5)
+
+    def free_pages(self) -> dict[str, int]:
+        return {role: self.worker_info(role).free_pages for role in ("prefill", "decode")}
+
+    def wait_free_pages(self, expected: dict[str, int], timeout_s: float = 10.0) -> dict[str, int]:
+        """Polls until every worker's free page count is back to ``expected`` (or times out)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            now = self.free_pages()
+            if now == expected or time.monotonic() > deadline:
+                return now
+            time.sleep(0.05)
+
+
+def start_cluster(extra: list[str] | None = None, timeout_s: float = 120.0) -> Cluster:
+    port = free_port()
+    cmd = [sys.executable, "-m", "pdserve", "up", "--port", str(port), *CLUSTER_FLAGS, *(extra or [])]
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    cluster = Cluster(process, f"127.0.0.1:{port}", {"prefill": [], "decode": [], "router": []})
+    deadline = time.monotonic() + timeout_s
+    assert process.stdout is not None
+    for line in process.stdout:
+        match = re.match(r"(\w+)\s+grpc=(\S+)\s+metrics=\S+\s+pid=(\d+)", line)
+        if match:
+            cluster.workers[match[1]].append(match[2])
+            cluster.pids[f"{match[1]}{len(cluster.workers[match[1]]) - 1}"] = int(match[3])
+        if "ready" in line:
+            return cluster
+        if time.monotonic() > deadline:
+            break
+    process.kill()
+    raise RuntimeError(f"pdserve up did not become ready (exit code {process.poll()})")
+
+
+def stop_cluster(cluster: Cluster) -> int:
+    cluster.process.send_signal(signal.SIGTERM)
+    return cluster.process.wait(30)
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    c = start_cluster()
+    yield c
+    stop_cluster(c)
+
+
+@pytest.fixture(scope="session")
+def tiny_runner():
+    """The tiny model in this process: the single-process reference."""
+    from pdserve.config import EngineConfig
+    from pdserve.engine.runner import ModelRunner
+
+    torch.set_num_threads(1)
+    return ModelRunner(EngineConfig(model="tiny", page_size=4, num_pages=1024), "prefill")
+
+
+def generate(stub: generate_pb2_grpc.GenerationServiceStub, timeout: float = 60, **kwargs):
+    """Collects a streamed Generate call: (token ids, text, finish reason, responses)."""
+    sampling = kwargs.pop("sampling", None) or generate_pb2.SamplingParams()
+    request = generate_pb2.GenerateRequest(sampling=sampling, stream=kwargs.pop("stream", True),
+                                           **kwargs)
+    responses = list(stub.Generate(request, timeout=timeout))
+    ids = [t for r in responses for t in r.token_ids]
+    return ids, "".join(r.text for r in responses), responses[-1].finish_reason, responses
+
+
+def gpu_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if gpu_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

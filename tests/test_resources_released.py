@@ -1,0 +1,114 @@
+"""Finished, cancelled, timed-out and abandoned requests return every KV page on both workers."""
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+from conftest import generate
+
+from protos.pdserve.v1 import decode_pb2, decode_pb2_grpc, generate_pb2
+
+S = generate_pb2.SamplingParams
+
+
+def _long_request(text: str = "a long one", max_new_tokens: int = 1500
+                  ) -> generate_pb2.GenerateRequest:
+    return generate_pb2.GenerateRequest(text=text, stream=True,
+                                        sampling=S(max_new_tokens=max_new_tokens, ignore_eos=True))
+
+
+def test_finished_request_returns_all_pages(cluster):
+    before = cluster.free_pages()
+    ids, _, _, _ = generate(cluster.stub(), text="x" * 90, sampling=S(max_new_tokens=30,
+                                                                      ignore_eos=True))
+    assert len(ids) == 30
+    assert cluster.wait_free_pages(before) == before
+
+
+def test_cancelled_stream_returns_all_pages(cluster):
+    before = cluster.free_pages()
+    call = cluster.stub().Generate(_long_request(), timeout=60)
+    received = 0
+    for response in call:
+        received += len(response.token_ids)
+        if received >= 5:
+            # Mid-stream, pages are held on decode.
+            assert cluster.free_pages()["decode"] < before["decode"]
+            call.cancel()
+            break
+    assert cluster.wait_free_pages(before) == before
+
+
+def test_deadline_returns_all_pages(cluster):
+    before = cluster.free_pages()
+    with pytest.raises(grpc.RpcError) as info:
+        for _ in cluster.stub().Generate(_long_request(), timeout=1.0):
+            pass
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert cluster.wait_free_pages(before) == before
+
+
+def test_cancel_during_prefill_returns_all_pages(cluster):
+    before = cluster.free_pages()
+    # A prompt of several chunks; cancel before its first token arrives.
+    request = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=[7] * 1500),
+                                           sampling=S(max_new_tokens=100))
+    call = cluster.stub().Generate(request, timeout=60)
+    timer = threading.Timer(0.05, call.cancel)
+    timer.start()
+    with pytest.raises(grpc.RpcError) as info:
+        list(call)
+    timer.join()
+    assert info.value.code() == grpc.StatusCode.CANCELLED
+    assert cluster.wait_free_pages(before) == before
+
+
+def test_many_cancels_leave_nothing_behind(cluster):
+    before = cluster.free_pages()
+    calls = [cluster.stub().Generate(_long_request(f"req {i}", 400), timeout=60) for i in range(8)]
+    for call in calls:
+        next(iter(call))
+    for call in calls:
+        call.cancel()
+    assert cluster.wait_free_pages(before) == before
+
+
+def test_uncommitted_reservation_expires_after_lease(cluster):
+    before = cluster.free_pages()
+    with grpc.insecure_channel(cluster.workers["decode"][0]) as ch:
+        reply = decode_pb2_grpc.DecodeServiceStub(ch).Reserve(
+            decode_pb2.ReserveRequest(request_id="abandoned", prompt_len=40, max_new_tokens=10),
+            timeout=5)
+    assert len(reply.kv_target.page_ids) == 10
+    assert cluster.free_pages()["decode"] == before["decode"] - 13
+    # The cluster runs with --lease-timeout-s 3: never committed, the pages come back.
+    assert cluster.wait_free_pages(before, timeout_s=10) == before
+
+
+def test_overload_is_resource_exhausted_and_leaks_nothing(cluster):
+    # Each request holds 376 of the decode pool's 1023 pages: two fit, the rest wait 1 s
+    # (--reserve-wait-s) and are refused.
+    before = cluster.free_pages()
+    calls = [cluster.stub().Generate(_long_request(f"big {i}", 1490), timeout=60) for i in range(4)]
+    codes = []
+    for call in calls:
+        try:
+            next(iter(call))
+            codes.append("ok")
+        except grpc.RpcError as err:
+            codes.append(err.code())
+    for call in calls:
+        call.cancel()
+    assert codes.count("ok") == 2
+    assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 2
+    assert cluster.wait_free_pages(before) == before
+
+
+def test_reservation_larger_than_pool_is_resource_exhausted(cluster):
+    with grpc.insecure_channel(cluster.workers["decode"][0]) as ch:
+        with pytest.raises(grpc.RpcError) as info:
+            decode_pb2_grpc.DecodeServiceStub(ch).Reserve(
+                decode_pb2.ReserveRequest(request_id="huge", prompt_len=4000, max_new_tokens=1000),
+                timeout=5)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
