@@ -1,0 +1,98 @@
+"""`pdserve up`, `pdserve generate` and shutdown without orphans."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import start_cluster, stop_cluster
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def _wait_dead(pids, timeout_s: float = 15.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if _alive(p)]
+        if not alive:
+            return []
+        time.sleep(0.1)
+    return alive
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_up_prints_every_process_and_stops_them_all(sig):
+    cluster = start_cluster()
+    try:
+        assert set(cluster.pids) == {"prefill0", "decode0", "router0"}
+        assert all(_alive(p) for p in cluster.pids.values())
+        cluster.process.send_signal(sig)
+        assert cluster.process.wait(30) == 0
+        assert _wait_dead(cluster.pids.values()) == []
+    finally:
+        if cluster.process.poll() is None:
+            cluster.process.kill()
+
+
+def test_up_stops_everything_when_a_worker_dies():
+    cluster = start_cluster()
+    try:
+        os.kill(cluster.pids["decode0"], signal.SIGKILL)
+        assert cluster.process.wait(30) == 1
+        assert _wait_dead(cluster.pids.values()) == []
+    finally:
+        if cluster.process.poll() is None:
+            cluster.process.kill()
+
+
+def test_workers_die_with_a_killed_launcher():
+    cluster = start_cluster()
+    cluster.process.kill()
+    cluster.process.wait()
+    assert _wait_dead(cluster.pids.values()) == []
+
+
+def test_generate_command_streams_text(cluster):
+    result = subprocess.run(
+        [sys.executable, "-m", "pdserve", "generate", "--addr", cluster.address, "Hello",
+         "--max-new-tokens", "8"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "5 prompt + 8 generated tokens" in result.stderr
+
+
+def test_generate_command_reports_errors(cluster):
+    result = subprocess.run(
+        [sys.executable, "-m", "pdserve", "generate", "--addr", cluster.address, "Hello",
+         "--temperature", "-1"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert "INVALID_ARGUMENT" in result.stderr and "temperature" in result.stderr
+
+
+def test_two_prefill_and_two_decode_workers_share_the_load():
+    cluster = start_cluster(["--prefill", "2", "--decode", "2"])
+    try:
+        from conftest import generate
+        from protos.pdserve.v1 import generate_pb2
+
+        stub = cluster.stub()
+        results = [generate(stub, text=f"request {i}",
+                            sampling=generate_pb2.SamplingParams(max_new_tokens=4, ignore_eos=True))
+                   for i in range(4)]
+        assert all(len(r[0]) == 4 for r in results)
+        for role in ("prefill", "decode"):
+            assert len(cluster.workers[role]) == 2
+        info = stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=5)
+        assert (info.prefill_workers, info.decode_workers) == (2, 2)
+    finally:
+        assert stop_cluster(cluster) == 0

@@ -1,0 +1,87 @@
+"""The grpc transfer engine moves pages bit-exactly and refuses mismatched layouts."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from decode_service.reservations import ReservationTable
+from kv_transfer.grpc_engine import GrpcSender
+from kv_transfer.service import KVTransferServicer
+from pdserve.errors import LayoutMismatch, TransferFailed
+from pdserve.grpc_util import Server
+from pdserve.kvcache.pool import KVLayout, KVPool
+from protos.pdserve.v1 import kv_transfer_pb2_grpc
+
+LAYOUT = KVLayout(model="m", dtype="bfloat16", page_size=4, num_layers=3, num_kv_heads=2, head_dim=8)
+
+
+def _pool(layout: KVLayout = LAYOUT, num_pages: int = 64) -> KVPool:
+    dtype = getattr(torch, layout.dtype)
+    return KVPool(layout, num_pages, dtype, torch.device("cpu"))
+
+
+async def _decode_side(pool: KVPool) -> tuple[Server, ReservationTable]:
+    table = ReservationTable(pool, max_queued=4, wait_s=1.0, lease_timeout_s=30.0)
+    server = Server("127.0.0.1", 0)
+    server.add(kv_transfer_pb2_grpc.add_KVTransferServiceServicer_to_server,
+               KVTransferServicer(pool, table), [])
+    await server.start()
+    return server, table
+
+
+@pytest.mark.parametrize("num_tokens", [1, 4, 37, 120])
+def test_grpc_engine_moves_random_pages_bit_exactly(num_tokens):
+    async def scenario():
+        src_pool, dst_pool = _pool(), _pool()
+        src_pool.tensor.copy_(torch.randn(src_pool.tensor.shape).to(src_pool.tensor.dtype))
+        server, table = await _decode_side(dst_pool)
+        try:
+            res = await table.reserve("r1", num_tokens, 8)
+            dst_pages = res.pages[:res.prompt_pages]
+            src_pages = random.Random(num_tokens).sample(range(1, 64), len(dst_pages))
+            sender = GrpcSender(src_pool)
+            moved = await sender.send(src_pages, _target(server, "r1", dst_pages), num_tokens, 10)
+            await sender.close()
+            assert moved == len(dst_pages) * src_pool.bytes_per_page
+            assert torch.equal(dst_pool.read_pages(dst_pages), src_pool.read_pages(src_pages))
+            assert table.get("r1").state.value == "committed"
+        finally:
+            await server.stop(0)
+    asyncio.run(scenario())
+
+
+def _target(server: Server, request_id: str, pages: list[int]):
+    from kv_transfer.base import KVTarget
+
+    return KVTarget("grpc", f"127.0.0.1:{server.port}", request_id, pages)
+
+
+def test_handshake_refuses_a_different_layout():
+    async def scenario():
+        server, table = await _decode_side(_pool())
+        try:
+            res = await table.reserve("r1", 8, 1)
+            other = KVLayout(**{**LAYOUT.__dict__, "page_size": 16})
+            sender = GrpcSender(_pool(other))
+            with pytest.raises(LayoutMismatch, match="page_size"):
+                await sender.send([1, 2], _target(server, "r1", res.pages[:2]), 8, 10)
+            await sender.close()
+        finally:
+            await server.stop(0)
+    asyncio.run(scenario())
+
+
+def test_writing_pages_of_an_unknown_reservation_fails():
+    async def scenario():
+        server, _ = await _decode_side(_pool())
+        try:
+            sender = GrpcSender(_pool())
+            with pytest.raises(TransferFailed, match="NOT_FOUND"):
+                await sender.send([1], _target(server, "nobody", [3]), 4, 10)
+            await sender.close()
+        finally:
+            await server.stop(0)
+    asyncio.run(scenario())
