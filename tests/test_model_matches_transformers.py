@@ -49,7 +49,8 @@ def hf_pair(request, tmp_path_factory):
     generation_config = copy.deepcopy(hf.generation_config)
     generation_config.eos_token_id = [5, 6]
     generation_config.save_pretrained(folder)
-    runner = ModelRunner(EngineConfig(model=str(folder), page_size=4, num_pages=256), "prefill")
+    runner = ModelRunner(EngineConfig(model=str(folder), device="cpu", page_size=4, num_pages=256),
+                         "prefill")
     return hf, runner, folder
 
 
