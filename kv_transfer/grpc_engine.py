@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import torch
 
 from kv_transfer.base import DecodePeer, KVTarget, TransferSender, TransferSink
-from pdserve.errors import InvalidRequest
+from pdserve.errors import InvalidRequest, TransferFailed
 from pdserve.kvcache.pool import KVPool
 from protos.pdserve.v1 import kv_transfer_pb2
 
@@ -31,17 +31,25 @@ class GrpcSender(TransferSender):
                     timeout_s: float) -> int:
         step = _pages_per_chunk(self.pool)
         total = 0
+        failure: Exception | None = None
 
         async def chunks() -> AsyncIterator[kv_transfer_pb2.PageChunk]:
-            nonlocal total
-            for start in range(0, len(src_pages), step):
-                data = _to_bytes(self.pool.read_pages(src_pages[start:start + step]))
-                total += len(data)
-                yield kv_transfer_pb2.PageChunk(request_id=target.request_id,
-                                                page_ids=target.page_ids[start:start + step],
-                                                data=data)
+            # gRPC hides an exception raised by a request iterator (the call just hangs), so
+            # the stream is ended early instead and the failure raised below, before a commit.
+            nonlocal total, failure
+            try:
+                for start in range(0, len(src_pages), step):
+                    data = _to_bytes(self.pool.read_pages(src_pages[start:start + step]))
+                    total += len(data)
+                    yield kv_transfer_pb2.PageChunk(request_id=target.request_id,
+                                                    page_ids=target.page_ids[start:start + step],
+                                                    data=data)
+            except Exception as err:  # noqa: BLE001 - re-raised below
+                failure = err
 
         await peer.stub.WritePages(chunks(), timeout=timeout_s)
+        if failure is not None:
+            raise TransferFailed(f"reading pages for {target.request_id}: {failure}") from failure
         return total
 
 

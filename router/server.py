@@ -184,9 +184,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
             try:
                 await worker.stub.Release(decode_pb2.ReleaseRequest(request_id=request_id),
                                           timeout=10)
-            except grpc.aio.AioRpcError as err:
-                log.warning("release of %s on %s failed: %s", request_id, worker.address,
-                            err.details())
+            except Exception as err:  # noqa: BLE001 - best effort; the lease frees it anyway
+                log.warning("release of %s on %s failed: %s", request_id, worker.address, err)
         task = asyncio.get_running_loop().create_task(release())
         self._cleanup.add(task)
         task.add_done_callback(self._cleanup.discard)
