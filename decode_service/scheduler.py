@@ -35,6 +35,7 @@ class DecodeRequest:
     params: SamplingParams
     prompt_ids: list[int]
     generated: list[int]                        # starts with prefill's first token
+    output_offset: int = 0                      # tokens generated before prompt_ids ended
     updates: asyncio.Queue = field(default_factory=asyncio.Queue)
     done: bool = False
 
@@ -52,7 +53,8 @@ class DecodeRequest:
     def sample_row(self) -> SampleRow:
         history = (self.prompt_ids + self.generated
                    if self.params.repetition_penalty != 1.0 else None)
-        return SampleRow(self.params, output_index=len(self.generated), history=history)
+        return SampleRow(self.params, output_index=self.output_offset + len(self.generated),
+                         history=history)
 
 
 class DecodeLoop:

@@ -51,7 +51,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                      context: grpc.aio.ServicerContext) -> AsyncIterator[decode_pb2.DecodeResponse]:
         res = self.table.start_decoding(request.request_id)
         req = DecodeRequest(request.request_id, res, sampling_from_proto(request.sampling),
-                            list(request.prompt_token_ids), [request.first_token_id])
+                            list(request.prompt_token_ids), [request.first_token_id],
+                            output_offset=request.output_offset)
         self.loop.add(req)
         try:
             while True:

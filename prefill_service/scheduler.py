@@ -32,6 +32,7 @@ class PrefillTask:
     prompt_ids: list[int]
     params: SamplingParams
     target: KVTarget
+    output_offset: int = 0                         # index of the token to sample
     result: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     pages: list[int] = field(default_factory=list)
     computed: int = 0                              # prompt tokens already in the pool
@@ -137,7 +138,7 @@ class PrefillScheduler:
                 continue
             seqs = [SeqInput(t.prompt_ids[t.computed:t.computed + n], t.computed, t.pages)
                     for t, n in plan]
-            rows = [SampleRow(t.params, output_index=0,
+            rows = [SampleRow(t.params, output_index=t.output_offset,
                               history=t.prompt_ids if t.params.repetition_penalty != 1.0 else None)
                     for t, _ in plan]
             self._in_step = {t for t, _ in plan}

@@ -35,7 +35,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         if max(prompt) >= self.runner.model_config.vocab_size:
             raise InvalidRequest("prompt token id outside the vocabulary")
         task = PrefillTask(request.request_id, prompt, sampling_from_proto(request.sampling),
-                           KVTarget.from_proto(request.kv_target))
+                           KVTarget.from_proto(request.kv_target), request.output_offset)
         first_token = await self.scheduler.submit(task)
         return prefill_pb2.PrefillResponse(first_token_id=first_token)
 

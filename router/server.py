@@ -29,6 +29,11 @@ FINISH = {None: generate_pb2.FINISH_REASON_UNSPECIFIED, "length": generate_pb2.F
 # Failures before the first token that another worker pair may not have.
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 MAX_ATTEMPTS = 3
+MAX_RECOVERIES = 2   # times a request may move to another pair after losing its decode worker
+
+
+class DecodeLost(Exception):
+    """The decode worker went away mid-stream; the request can resume elsewhere."""
 
 
 def _upstream(err: grpc.aio.AioRpcError, worker: Worker) -> UpstreamError:
@@ -95,13 +100,34 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
 
     async def _generate(self, job: GenerationJob, context: grpc.aio.ServicerContext,
                         started: float) -> AsyncIterator[Chunk]:
+        """Chunks of the job's output; if its decode worker is lost, the prompt and the tokens
+        so far are prefilled on another pair and generation goes on where it stopped."""
         output = OutputAssembler(self.tokenizer, job)
+        generated: list[int] = []
+        for recovery in range(MAX_RECOVERIES + 1):
+            attempt = job.resumed(generated) if generated else job
+            try:
+                async for chunk in self._relay(attempt, output, context):
+                    if not generated:  # the first token
+                        self.metrics.observe_ttft(time.monotonic() - started)
+                    generated += chunk.token_ids
+                    yield chunk
+                return
+            except DecodeLost as lost:
+                if recovery == MAX_RECOVERIES:
+                    raise UpstreamError(grpc.StatusCode.UNAVAILABLE, str(lost)) from lost
+                log.warning("request %s: %s; resuming after %d tokens on another pair",
+                            job.request_id, lost, len(generated))
+
+    async def _relay(self, job: GenerationJob, output: OutputAssembler,
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[Chunk]:
+        """One worker pair's part: reserve, prefill, then relay decode's stream into ``output``.
+        Raises DecodeLost if the decode worker goes away mid-stream."""
         decode_worker, prefill_worker, first_token = await self._prefill(job, context)
         decode_call = None
         finished_on_decode = False
+        decode_worker.in_flight += 1
         try:
-            decode_worker.in_flight += 1
-            self.metrics.observe_ttft(time.monotonic() - started)
             self.metrics.tokens(prompt=len(job.prompt_ids))
             chunk = output.add([first_token])
             yield chunk
@@ -109,8 +135,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
                 return
             decode_call = decode_worker.stub.Decode(decode_pb2.DecodeRequest(
                 request_id=job.worker_request_id, first_token_id=first_token,
-                sampling=sampling_to_proto(job.params), prompt_token_ids=job.prompt_ids),
-                timeout=time_remaining(context))
+                sampling=sampling_to_proto(job.params), prompt_token_ids=job.prompt_ids,
+                output_offset=job.output_offset), timeout=time_remaining(context))
             try:
                 async for message in decode_call:
                     chunk = output.add(list(message.token_ids))
@@ -123,9 +149,12 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
                     if output.finished:
                         return
             except grpc.aio.AioRpcError as err:
-                raise _upstream(err, decode_worker) from err
-            raise UpstreamError(grpc.StatusCode.UNAVAILABLE,
-                                f"decode worker {decode_worker.address} ended the stream early")
+                if err.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise _upstream(err, decode_worker) from err
+                self.workers.mark_unhealthy(decode_worker, err.details() or "unavailable")
+                raise DecodeLost(f"decode worker {decode_worker.address} lost: "
+                                 f"{err.details()}") from err
+            raise DecodeLost(f"decode worker {decode_worker.address} ended the stream early")
         finally:
             decode_worker.in_flight -= 1
             if decode_call is not None:
@@ -161,8 +190,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
                 prefill_worker.in_flight += 1
                 result = await prefill_worker.stub.Prefill(prefill_pb2.PrefillRequest(
                     request_id=job.worker_request_id, prompt_token_ids=job.prompt_ids,
-                    sampling=sampling_to_proto(job.params), kv_target=reply.kv_target),
-                    timeout=time_remaining(context))
+                    sampling=sampling_to_proto(job.params), kv_target=reply.kv_target,
+                    output_offset=job.output_offset), timeout=time_remaining(context))
                 return decode_worker, prefill_worker, result.first_token_id
             except grpc.aio.AioRpcError as err:
                 self._release_later(decode_worker, job.worker_request_id)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 import os
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdserve.engine.sampling import SamplingParams
 from pdserve.errors import InvalidRequest
@@ -24,6 +24,16 @@ class GenerationJob:
     params: SamplingParams     # defaults resolved, seed fixed, eos folded into stop ids
     stop_strings: tuple[str, ...]
     stream: bool
+    output_offset: int = 0     # tokens generated before prompt_ids ended (a resumed job)
+
+    def resumed(self, generated: list[int]) -> GenerationJob:
+        """The rest of this job after ``generated``, as a new job for another worker pair:
+        the generated tokens join the prompt, and seeded sampling continues where it was."""
+        return replace(self, worker_request_id=f"{self.request_id}/{uuid.uuid4().hex}",
+                       prompt_ids=self.prompt_ids + generated,
+                       params=replace(self.params,
+                                      max_new_tokens=self.params.max_new_tokens - len(generated)),
+                       output_offset=self.output_offset + len(generated))
 
 
 def _finite(name: str, value: float) -> float:

@@ -17,9 +17,10 @@ from protos.pdserve.v1 import (decode_pb2_grpc, generate_pb2, generate_pb2_grpc,
                                prefill_pb2_grpc, worker_pb2)
 
 # Small pages, a small pool and a small prefill chunk so tests cross page and chunk boundaries.
-CLUSTER_FLAGS = ["--model", "tiny", "--page-size", "4", "--num-pages", "1024", "--chunk-size", "48",
-                 "--torch-threads", "1", "--lease-timeout-s", "3", "--reserve-wait-s", "1",
-                 "--health-interval-s", "0.5"]
+ENGINE_FLAGS = ["--model", "tiny", "--page-size", "4", "--num-pages", "1024", "--torch-threads", "1"]
+PREFILL_FLAGS = ["--chunk-size", "48"]
+DECODE_FLAGS = ["--lease-timeout-s", "3", "--reserve-wait-s", "1"]
+CLUSTER_FLAGS = [*ENGINE_FLAGS, *PREFILL_FLAGS, *DECODE_FLAGS, "--health-interval-s", "0.5"]
 
 
 def free_port() -> int:
@@ -126,3 +127,62 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@dataclass
+class RoleProcesses:
+    """Router and workers started one by one (not through `up`), so one can be killed alone."""
+
+    router: str
+    processes: dict[str, subprocess.Popen]
+    addresses: dict[str, str]
+
+    def stub(self) -> generate_pb2_grpc.GenerationServiceStub:
+        return generate_pb2_grpc.GenerationServiceStub(grpc.insecure_channel(self.router))
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes.values():
+            process.wait(30)
+
+
+def _wait_serving(address: str, process: subprocess.Popen, timeout_s: float = 60) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as ch:
+        while time.monotonic() < deadline:
+            assert process.poll() is None, f"{address} exited"
+            try:
+                if health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1
+                                                        ).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+    raise TimeoutError(address)
+
+
+def start_roles(roles: list[str]) -> RoleProcesses:
+    """Starts one process per entry of ``roles`` ("prefill"/"decode"), then a router over them."""
+    role_flags = {"prefill": PREFILL_FLAGS, "decode": DECODE_FLAGS}
+    processes, addresses = {}, {}
+    for i, role in enumerate(roles):
+        port = free_port()
+        name = f"{role}{roles[:i].count(role)}"
+        addresses[name] = f"127.0.0.1:{port}"
+        processes[name] = subprocess.Popen([sys.executable, "-m", "pdserve", role, "--port",
+                                            str(port), *ENGINE_FLAGS, *role_flags[role]])
+    for name, process in processes.items():
+        _wait_serving(addresses[name], process)
+    port = free_port()
+    router = f"127.0.0.1:{port}"
+    processes["router"] = subprocess.Popen([
+        sys.executable, "-m", "pdserve", "router", "--port", str(port), "--model", "tiny",
+        "--health-interval-s", "0.5",
+        "--prefill-addrs", ",".join(a for n, a in addresses.items() if n.startswith("prefill")),
+        "--decode-addrs", ",".join(a for n, a in addresses.items() if n.startswith("decode"))])
+    _wait_serving(router, processes["router"])
+    return RoleProcesses(router, processes, addresses)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.pdserve.v1 import worker_pb2 as protos_dot_pdserve_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x1eprotos/pdserve/v1/worker.proto\"\x95\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.WorkerSampling\x12\'\n\tkv_target\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVTarget\")\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r2\x9f\x01\n\x0ePrefillService\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12I\n\rGetWorkerInfo\x12 .pdserve.v1.GetWorkerInfoRequest\x1a\x16.pdserve.v1.WorkerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x1eprotos/pdserve/v1/worker.proto\"\xac\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.WorkerSampling\x12\'\n\tkv_target\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVTarget\x12\x15\n\routput_offset\x18\x05 \x01(\r\")\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r2\x9f\x01\n\x0ePrefillService\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12I\n\rGetWorkerInfo\x12 .pdserve.v1.GetWorkerInfoRequest\x1a\x16.pdserve.v1.WorkerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,9 +33,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.pdserve.v1.prefill_p
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=80
-  _globals['_PREFILLREQUEST']._serialized_end=229
-  _globals['_PREFILLRESPONSE']._serialized_start=231
-  _globals['_PREFILLRESPONSE']._serialized_end=272
-  _globals['_PREFILLSERVICE']._serialized_start=275
-  _globals['_PREFILLSERVICE']._serialized_end=434
+  _globals['_PREFILLREQUEST']._serialized_end=252
+  _globals['_PREFILLRESPONSE']._serialized_start=254
+  _globals['_PREFILLRESPONSE']._serialized_end=295
+  _globals['_PREFILLSERVICE']._serialized_start=298
+  _globals['_PREFILLSERVICE']._serialized_end=457
 # @@protoc_insertion_point(module_scope)
