@@ -186,6 +186,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
                     raise last_error from err
                 tried.add(decode_worker.address)
                 continue
+            except asyncio.CancelledError:
+                # The reservation may have been made just before the cancel reached it.
+                self._release_later(decode_worker, job.worker_request_id)
+                raise
             try:
                 prefill_worker.in_flight += 1
                 result = await prefill_worker.stub.Prefill(prefill_pb2.PrefillRequest(
