@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.errors import InvalidRequest, Overloaded, UnknownRequest
 from pdserve.kvcache.pool import KVPool
+from pdserve.metrics import DecodeMetrics
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +38,10 @@ class Reservation:
 
 
 class ReservationTable:
-    def __init__(self, pool: KVPool, max_queued: int, wait_s: float, lease_timeout_s: float) -> None:
+    def __init__(self, pool: KVPool, max_queued: int, wait_s: float, lease_timeout_s: float,
+                 metrics: DecodeMetrics | None = None) -> None:
         self.pool = pool
+        self.metrics = metrics
         self.max_queued = max_queued
         self.wait_s = wait_s
         self.lease_timeout_s = lease_timeout_s
@@ -66,7 +70,12 @@ class ReservationTable:
             raise Overloaded(f"request needs {needed} KV pages; this decode worker has "
                              f"{allocator.total} in all")
         if self._waiters or not allocator.can_alloc(needed):
+            waited_from = time.monotonic()
             await self._wait_for(needed)
+            if self.metrics:
+                self.metrics.queue_wait.observe(time.monotonic() - waited_from)
+        elif self.metrics:
+            self.metrics.queue_wait.observe(0.0)
         res = Reservation(request_id, prompt_len, max_new_tokens, allocator.alloc(needed),
                           prompt_pages=self.pool.pages_for(prompt_len))
         self._by_id[request_id] = res
@@ -147,4 +156,6 @@ class ReservationTable:
         if self._by_id.get(request_id) is res and res.state is not State.DECODING:
             log.warning("reservation %s expired in state %s; freeing %d pages",
                         request_id, res.state.value, len(res.pages))
+            if self.metrics:
+                self.metrics.reservations_expired.inc()
             self.release(request_id)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ from decode_service.reservations import Reservation, ReservationTable
 from pdserve.engine.batch import SeqInput
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampling import SampleRow, SamplingParams
-from pdserve.metrics import Metrics
+from pdserve.metrics import DecodeMetrics
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class DecodeRequest:
 
 class DecodeLoop:
     def __init__(self, runner: ModelRunner, table: ReservationTable, max_running: int,
-                 metrics: Metrics) -> None:
+                 metrics: DecodeMetrics) -> None:
         self.runner = runner
         self.table = table
         self.max_running = max_running
@@ -123,6 +124,7 @@ class DecodeLoop:
                 continue
             batch = list(self._running.values())
             self._in_step = {r.request_id for r in batch}
+            step_started = time.perf_counter()
             try:
                 tokens = await loop.run_in_executor(
                     self._executor, self.runner.step,
@@ -137,12 +139,15 @@ class DecodeLoop:
             finally:
                 self._in_step = set()
             self.steps += 1
+            self.metrics.step_duration.observe(time.perf_counter() - step_started)
+            self.metrics.batch_size.observe(len(batch))
+            self.metrics.steps.labels("eager").inc()
             for req in batch:
                 if req.done:  # aborted during the step: its pages could not be freed until now
                     self.table.release(req.request_id)
             if tokens is None:
                 continue
-            self.metrics.tokens(generated=len(batch))
+            self.metrics.generated_tokens.inc(len(batch))
             for req, token in zip(batch, tokens):
                 if req.done:
                     continue
@@ -154,8 +159,9 @@ class DecodeLoop:
                     self._finish(req, Update([token], reason))
 
     def _publish_load(self) -> None:
-        self.metrics.set_load(len(self._running), len(self._waiting))
+        self.metrics.set_load(len(self._running), len(self._waiting) + self.table.num_waiting)
         self.metrics.set_pool(self.runner.pool.allocator.num_free, self.runner.pool.allocator.total)
+        self.metrics.reservations.set(len(self.table))
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -15,7 +15,7 @@ from pdserve.config import DecodeConfig
 from pdserve.engine.runner import ModelRunner
 from pdserve.errors import InvalidRequest, PdserveError
 from pdserve.grpc_util import Server, map_errors
-from pdserve.metrics import Metrics
+from pdserve.metrics import DecodeMetrics
 from pdserve.proto_convert import sampling_from_proto, worker_info
 from pdserve.serving import advertised_address, serve_until_signal, start_metrics, worker_id
 from protos.pdserve.v1 import (decode_pb2, decode_pb2_grpc, generate_pb2, kv_transfer_pb2,
@@ -54,6 +54,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                             list(request.prompt_token_ids), [request.first_token_id],
                             output_offset=request.output_offset)
         self.loop.add(req)
+        outcome = "cancelled"
         try:
             while True:
                 update = await req.updates.get()
@@ -63,15 +64,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     update = req.updates.get_nowait()
                     tokens.extend(update.token_ids)
                 if update.finish_reason == "error":
+                    outcome = "error"
                     raise PdserveError("decode step failed on the worker")
                 yield decode_pb2.DecodeResponse(
                     token_ids=tokens,
                     finish_reason=FINISH_REASONS.get(update.finish_reason,
                                                      generate_pb2.FINISH_REASON_UNSPECIFIED))
                 if update.finish_reason is not None:
+                    outcome = "finished"
                     return
         finally:
             self.loop.abort(request.request_id)
+            self.loop.metrics.request_done(outcome)
 
     @map_errors
     async def Release(self, request: decode_pb2.ReleaseRequest,
@@ -91,15 +95,15 @@ async def serve(config: DecodeConfig) -> None:
     runner = ModelRunner(config.engine, "decode")
     server = Server(config.server.host, config.server.port)
     worker = worker_id(config.server, "decode", server.port)
-    metrics = Metrics("decode", worker)
+    metrics = DecodeMetrics(worker)
     table = ReservationTable(runner.pool, config.max_queued_reservations, config.reserve_wait_s,
-                             config.lease_timeout_s)
+                             config.lease_timeout_s, metrics)
     loop = DecodeLoop(runner, table, config.max_running_requests, metrics)
     servicer = DecodeServicer(runner, table, loop, advertised_address(config.server, server.port),
                               worker)
     server.add(decode_pb2_grpc.add_DecodeServiceServicer_to_server, servicer,
                [decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name])
-    server.add(kv_transfer_pb2_grpc.add_KVTransferServiceServicer_to_server, KVTransferServicer(runner.pool, table, metrics.transferred),
+    server.add(kv_transfer_pb2_grpc.add_KVTransferServiceServicer_to_server, KVTransferServicer(runner.pool, table, metrics.transfer_bytes.inc),
                [kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransferService"].full_name])
     metrics_url = start_metrics(config.server, metrics)
     loop_task = asyncio.create_task(loop.run(), name="decode-loop")

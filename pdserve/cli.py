@@ -118,8 +118,16 @@ def build_parser() -> argparse.ArgumentParser:
     router = sub.add_parser("router", help="run the public router")
     _server_options(router, 50051)
     _router_options(router, with_model=True)
-    router.add_argument("--prefill-addrs", type=_addresses, default=[], help="host:port,...")
-    router.add_argument("--decode-addrs", type=_addresses, default=[], help="host:port,...")
+    router.add_argument("--prefill-addrs", type=_addresses, default=[],
+                        help="static prefill workers: host:port,...")
+    router.add_argument("--decode-addrs", type=_addresses, default=[],
+                        help="static decode workers: host:port,...")
+    router.add_argument("--prefill-discovery", type=_addresses, default=[],
+                        help="dns:NAME:PORT,...: every address NAME resolves to (a headless "
+                        "Service), re-resolved every --discovery-interval-s")
+    router.add_argument("--decode-discovery", type=_addresses, default=[],
+                        help="as --prefill-discovery, for decode workers")
+    router.add_argument("--discovery-interval-s", type=float, default=5.0)
 
     prefill = sub.add_parser("prefill", help="run a prefill worker")
     _server_options(prefill, 0)
@@ -162,8 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         from router.server import serve as serve_router
 
         config = RouterConfig(server=_server_config(args), model=args.model,
-                              prefill_addrs=args.prefill_addrs, decode_addrs=args.decode_addrs,
+                              prefill_addrs=args.prefill_addrs + args.prefill_discovery,
+                              decode_addrs=args.decode_addrs + args.decode_discovery,
                               health_interval_s=args.health_interval_s,
+                              discovery_interval_s=args.discovery_interval_s,
                               default_max_new_tokens=args.default_max_new_tokens)
         asyncio.run(serve_router(config))
     elif args.command == "prefill":

@@ -51,8 +51,10 @@ class DecodeConfig:
 class RouterConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     model: str = "tiny"
+    # Each entry: host:port, or dns:NAME:PORT (every address NAME resolves to, re-resolved).
     prefill_addrs: list[str] = field(default_factory=list)
     decode_addrs: list[str] = field(default_factory=list)
     health_interval_s: float = 1.0
+    discovery_interval_s: float = 5.0
     default_max_new_tokens: int = 16
     max_stop_strings: int = 16

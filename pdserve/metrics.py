@@ -1,69 +1,155 @@
-"""Prometheus metrics: one registry per process, served over HTTP on --metrics-port."""
+"""Prometheus metrics: one registry per process, one class per role, served on --metrics-port.
+
+Names are ``pdserve_<what>_<unit>``, counters end in ``_total``; every series carries the labels
+``role`` and ``worker``. Series without further labels exist from the start (at zero), so a
+dashboard never queries a name a running process does not export.
+"""
 from __future__ import annotations
+
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-# Seconds, from a millisecond to several minutes: LLM latencies span all of it.
+# From a millisecond to five minutes: LLM latencies span all of it.
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                      10.0, 30.0, 60.0, 120.0, 300.0)
+TOKEN_LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15,
+                           0.25, 0.5, 1.0, 2.5, 10.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024)
+TOKEN_BUCKETS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+BYTES_BUCKETS = tuple(float(1 << n) for n in range(12, 36, 2))  # 4 KiB .. 16 GiB
 
 
-class Metrics:
-    """The metrics of one process, labelled with its role and worker id."""
+class RoleMetrics:
+    """What every process exports; a subclass per role adds its own."""
 
-    def __init__(self, role: str, worker: str) -> None:
+    role = ""
+
+    def __init__(self, worker: str) -> None:
         self.registry = CollectorRegistry()
-        self.role = role
         self.worker = worker
-        labels = ["role", "worker"]
-        r = self.registry
-        self._requests = Counter("pdserve_requests_total", "Requests by outcome",
-                                 [*labels, "outcome"], registry=r)
-        self._prompt_tokens = Counter("pdserve_prompt_tokens_total", "Prompt tokens processed",
-                                      labels, registry=r)
-        self._generated_tokens = Counter("pdserve_generated_tokens_total", "Tokens generated",
-                                         labels, registry=r)
-        self._ttft = Histogram("pdserve_time_to_first_token_seconds", "Time to first token",
-                               labels, buckets=LATENCY_BUCKETS_S, registry=r)
-        self._e2e = Histogram("pdserve_request_duration_seconds", "End-to-end request latency",
-                              labels, buckets=LATENCY_BUCKETS_S, registry=r)
-        self._pages_free = Gauge("pdserve_kv_pages_free", "Free KV pages", labels, registry=r)
-        self._pages_total = Gauge("pdserve_kv_pages_total", "KV pages in the pool", labels, registry=r)
-        self._running = Gauge("pdserve_running_requests", "Requests running", labels, registry=r)
-        self._queued = Gauge("pdserve_queued_requests", "Requests waiting", labels, registry=r)
-        self._transfer_bytes = Counter("pdserve_kv_transfer_bytes_total", "KV bytes transferred",
-                                       labels, registry=r)
+        self.requests = self._metric(Counter, "pdserve_requests_total",
+                                     "Requests by outcome (finished, cancelled or a gRPC code)",
+                                     extra=("outcome",))
+        self.running = self._metric(Gauge, "pdserve_running_requests", "Requests being served")
+        self.queued = self._metric(Gauge, "pdserve_queued_requests", "Requests waiting to start")
 
-    def _l(self, metric):  # noqa: ANN001, ANN202 - prometheus-client's metric types
+    def _metric(self, kind: type, name: str, doc: str, extra: tuple[str, ...] = (),
+                **kwargs: Any) -> Any:
+        metric = kind(name, doc, ["role", "worker", *extra], registry=self.registry, **kwargs)
+        if extra:
+            return _Bound(metric, self.role, self.worker)
         return metric.labels(role=self.role, worker=self.worker)
 
     def request_done(self, outcome: str) -> None:
-        self._requests.labels(role=self.role, worker=self.worker, outcome=outcome).inc()
-
-    def tokens(self, prompt: int = 0, generated: int = 0) -> None:
-        if prompt:
-            self._l(self._prompt_tokens).inc(prompt)
-        if generated:
-            self._l(self._generated_tokens).inc(generated)
-
-    def observe_ttft(self, seconds: float) -> None:
-        self._l(self._ttft).observe(seconds)
-
-    def observe_e2e(self, seconds: float) -> None:
-        self._l(self._e2e).observe(seconds)
-
-    def set_pool(self, free: int, total: int) -> None:
-        self._l(self._pages_free).set(free)
-        self._l(self._pages_total).set(total)
-
-    def set_load(self, running: int, queued: int) -> None:
-        self._l(self._running).set(running)
-        self._l(self._queued).set(queued)
-
-    def transferred(self, num_bytes: int) -> None:
-        self._l(self._transfer_bytes).inc(num_bytes)
+        self.requests.labels(outcome).inc()
 
     def serve(self, host: str, port: int) -> int:
         """Starts the HTTP exporter; returns its port (``port`` 0 picks a free one)."""
         server, _thread = start_http_server(port, addr=host, registry=self.registry)
         return server.server_port
+
+
+class _Bound:
+    """A labelled metric with role and worker already filled in."""
+
+    def __init__(self, metric: Any, role: str, worker: str) -> None:
+        self._metric, self._role, self._worker = metric, role, worker
+
+    def labels(self, *values: str) -> Any:
+        return self._metric.labels(self._role, self._worker, *values)
+
+    def remove(self, *values: str) -> None:
+        try:
+            self._metric.remove(self._role, self._worker, *values)
+        except KeyError:
+            pass
+
+
+class WorkerMetrics(RoleMetrics):
+    """What both worker pools export: their model steps and their KV pool."""
+
+    def __init__(self, worker: str) -> None:
+        super().__init__(worker)
+        self.step_duration = self._metric(Histogram, "pdserve_step_duration_seconds",
+                                          "Duration of one model step", buckets=LATENCY_BUCKETS_S)
+        self.queue_wait = self._metric(Histogram, "pdserve_queue_wait_seconds",
+                                       "Time a request waited before its first step (prefill) "
+                                       "or for KV pages (decode)", buckets=LATENCY_BUCKETS_S)
+        self.pages_used = self._metric(Gauge, "pdserve_kv_pages_used", "KV pages in use")
+        self.pages_free = self._metric(Gauge, "pdserve_kv_pages_free", "KV pages free")
+        self.transfer_bytes = self._metric(Counter, "pdserve_kv_transfer_bytes_total",
+                                           "KV bytes sent (prefill) or received (decode)")
+
+    def set_pool(self, free: int, total: int) -> None:
+        self.pages_free.set(free)
+        self.pages_used.set(total - free)
+
+    def set_load(self, running: int, queued: int) -> None:
+        self.running.set(running)
+        self.queued.set(queued)
+
+
+class PrefillMetrics(WorkerMetrics):
+    role = "prefill"
+
+    def __init__(self, worker: str) -> None:
+        super().__init__(worker)
+        self.prompt_tokens = self._metric(Counter, "pdserve_prompt_tokens_total",
+                                          "Prompt tokens computed")
+        self.batch_tokens = self._metric(Histogram, "pdserve_prefill_batch_size_tokens",
+                                         "Prompt tokens in one prefill step", buckets=TOKEN_BUCKETS)
+        self.batch_requests = self._metric(Histogram, "pdserve_prefill_batch_size_requests",
+                                           "Requests in one prefill step", buckets=BATCH_BUCKETS)
+        self.transfer_duration = self._metric(Histogram, "pdserve_kv_transfer_duration_seconds",
+                                              "Time to move one request's KV and commit it",
+                                              buckets=LATENCY_BUCKETS_S)
+        self.transfer_size = self._metric(Histogram, "pdserve_kv_transfer_size_bytes",
+                                          "KV bytes of one request's transfer",
+                                          buckets=BYTES_BUCKETS)
+        self.transfer_errors = self._metric(Counter, "pdserve_kv_transfer_errors_total",
+                                            "KV transfers that failed or timed out")
+
+
+class DecodeMetrics(WorkerMetrics):
+    role = "decode"
+
+    def __init__(self, worker: str) -> None:
+        super().__init__(worker)
+        self.generated_tokens = self._metric(Counter, "pdserve_generated_tokens_total",
+                                             "Tokens generated by decode steps")
+        self.batch_size = self._metric(Histogram, "pdserve_decode_batch_size",
+                                       "Requests in one decode step", buckets=BATCH_BUCKETS)
+        self.steps = self._metric(Counter, "pdserve_decode_steps_total",
+                                  "Decode steps by how they ran (cuda_graph or eager)",
+                                  extra=("mode",))
+        self.reservations = self._metric(Gauge, "pdserve_reservations",
+                                         "KV reservations held (waiting for KV or decoding)")
+        self.reservations_expired = self._metric(Counter, "pdserve_reservations_expired_total",
+                                                 "Reservations freed by their lease timeout")
+        self.steps.labels("eager")
+
+
+class RouterMetrics(RoleMetrics):
+    role = "router"
+
+    def __init__(self, worker: str) -> None:
+        super().__init__(worker)
+        self.prompt_tokens = self._metric(Counter, "pdserve_prompt_tokens_total",
+                                          "Prompt tokens of requests")
+        self.generated_tokens = self._metric(Counter, "pdserve_generated_tokens_total",
+                                             "Tokens streamed to clients")
+        self.ttft = self._metric(Histogram, "pdserve_time_to_first_token_seconds",
+                                 "Time from request to its first token", buckets=LATENCY_BUCKETS_S)
+        self.itl = self._metric(Histogram, "pdserve_inter_token_latency_seconds",
+                                "Time between tokens of a stream", buckets=TOKEN_LATENCY_BUCKETS_S)
+        self.e2e = self._metric(Histogram, "pdserve_request_duration_seconds",
+                                "End-to-end request latency", buckets=LATENCY_BUCKETS_S)
+        self.recoveries = self._metric(Counter, "pdserve_request_recoveries_total",
+                                       "Requests moved to another pair after losing decode")
+        self.worker_healthy = self._metric(Gauge, "pdserve_worker_healthy",
+                                           "1 if the worker passes health checks",
+                                           extra=("target_role", "target"))
+        self.worker_in_flight = self._metric(Gauge, "pdserve_worker_in_flight_requests",
+                                             "Requests the router has on a worker",
+                                             extra=("target_role", "target"))

@@ -8,7 +8,7 @@ import socket
 
 from pdserve.config import ServerConfig
 from pdserve.grpc_util import Server
-from pdserve.metrics import Metrics
+from pdserve.metrics import RoleMetrics
 
 log = logging.getLogger("pdserve")
 
@@ -25,7 +25,7 @@ def advertised_address(config: ServerConfig, port: int) -> str:
     return f"{config.advertise_host or config.host}:{port}"
 
 
-def start_metrics(config: ServerConfig, metrics: Metrics) -> str:
+def start_metrics(config: ServerConfig, metrics: RoleMetrics) -> str:
     """Starts the exporter if asked; returns its URL or '' if none."""
     if config.metrics_port < 0:
         return ""

@@ -21,7 +21,7 @@ from pdserve.engine.batch import SeqInput
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampling import SampleRow, SamplingParams
 from pdserve.errors import InvalidRequest, Overloaded
-from pdserve.metrics import Metrics
+from pdserve.metrics import PrefillMetrics
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class PrefillTask:
 
 class PrefillScheduler:
     def __init__(self, runner: ModelRunner, chunk_size: int, max_queued: int,
-                 transfer_timeout_s: float, metrics: Metrics) -> None:
+                 transfer_timeout_s: float, metrics: PrefillMetrics) -> None:
         self.runner = runner
         self.pool = runner.pool
         self.chunk_size = chunk_size
@@ -142,6 +142,13 @@ class PrefillScheduler:
                               history=t.prompt_ids if t.params.repetition_penalty != 1.0 else None)
                     for t, _ in plan]
             self._in_step = {t for t, _ in plan}
+            now = time.monotonic()
+            for task, _ in plan:
+                if task.computed == 0:
+                    self.metrics.queue_wait.observe(now - task.enqueued_at)
+            self.metrics.batch_tokens.observe(sum(n for _, n in plan))
+            self.metrics.batch_requests.observe(len(plan))
+            step_started = time.perf_counter()
             try:
                 tokens = await loop.run_in_executor(self._executor, self.runner.step, seqs, rows)
             except Exception as err:
@@ -152,6 +159,7 @@ class PrefillScheduler:
                 tokens = None
             finally:
                 self._in_step = set()
+            self.metrics.step_duration.observe(time.perf_counter() - step_started)
             for (task, taken), token in zip(plan, tokens or [None] * len(plan)):
                 if task.aborted or token is None:
                     if task in self._running:
@@ -161,21 +169,25 @@ class PrefillScheduler:
                 task.computed += taken
                 if task.remaining == 0:
                     self._running.remove(task)
-                    self.metrics.tokens(prompt=len(task.prompt_ids))
+                    self.metrics.prompt_tokens.inc(len(task.prompt_ids))
                     task.transfer = asyncio.create_task(self._transfer(task, token))
                     self._transferring.add(task)
 
     async def _transfer(self, task: PrefillTask, first_token: int) -> None:
+        started = time.perf_counter()
         try:
             sender = self._sender(task.target.engine)
             moved = await sender.send(task.pages, task.target, len(task.prompt_ids),
                                       self.transfer_timeout_s)
-            self.metrics.transferred(moved)
+            self.metrics.transfer_duration.observe(time.perf_counter() - started)
+            self.metrics.transfer_size.observe(moved)
+            self.metrics.transfer_bytes.inc(moved)
             if not task.result.done():
                 task.result.set_result(first_token)
         except asyncio.CancelledError:
             raise
         except Exception as err:
+            self.metrics.transfer_errors.inc()
             log.warning("request %s: %s", task.request_id, err)
             if not task.result.done():
                 task.result.set_exception(err)

@@ -9,9 +9,9 @@ import grpc
 from kv_transfer.base import KVTarget
 from pdserve.config import PrefillConfig
 from pdserve.engine.runner import ModelRunner
-from pdserve.errors import InvalidRequest
+from pdserve.errors import InvalidRequest, PdserveError
 from pdserve.grpc_util import Server, map_errors
-from pdserve.metrics import Metrics
+from pdserve.metrics import PrefillMetrics
 from pdserve.proto_convert import sampling_from_proto, worker_info
 from pdserve.serving import serve_until_signal, start_metrics, worker_id
 from prefill_service.scheduler import PrefillScheduler, PrefillTask
@@ -36,7 +36,18 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             raise InvalidRequest("prompt token id outside the vocabulary")
         task = PrefillTask(request.request_id, prompt, sampling_from_proto(request.sampling),
                            KVTarget.from_proto(request.kv_target), request.output_offset)
-        first_token = await self.scheduler.submit(task)
+        outcome = "cancelled"
+        try:
+            first_token = await self.scheduler.submit(task)
+            outcome = "finished"
+        except PdserveError as err:
+            outcome = err.code.name.lower()
+            raise
+        except Exception:
+            outcome = "error"
+            raise
+        finally:
+            self.scheduler.metrics.request_done(outcome)
         return prefill_pb2.PrefillResponse(first_token_id=first_token)
 
     @map_errors
@@ -50,7 +61,7 @@ async def serve(config: PrefillConfig) -> None:
     runner = ModelRunner(config.engine, "prefill")
     server = Server(config.server.host, config.server.port)
     worker = worker_id(config.server, "prefill", server.port)
-    metrics = Metrics("prefill", worker)
+    metrics = PrefillMetrics(worker)
     scheduler = PrefillScheduler(runner, config.chunk_size, config.max_queued_requests,
                                  config.transfer_timeout_s, metrics)
     server.add(prefill_pb2_grpc.add_PrefillServiceServicer_to_server,

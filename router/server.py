@@ -11,7 +11,7 @@ import grpc
 from pdserve.config import RouterConfig
 from pdserve.errors import NoHealthyWorker, PdserveError, UpstreamError
 from pdserve.grpc_util import Server, map_errors, time_remaining
-from pdserve.metrics import Metrics
+from pdserve.metrics import RouterMetrics
 from pdserve.models.config import ModelConfig
 from pdserve.models.loader import model_config
 from pdserve.proto_convert import sampling_to_proto
@@ -42,7 +42,7 @@ def _upstream(err: grpc.aio.AioRpcError, worker: Worker) -> UpstreamError:
 
 class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
     def __init__(self, config: RouterConfig, model: ModelConfig, tokenizer: Tokenizer,
-                 workers: WorkerPool, metrics: Metrics) -> None:
+                 workers: WorkerPool, metrics: RouterMetrics) -> None:
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
@@ -63,6 +63,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateResponse]:
         started = time.monotonic()
         outcome = "error"
+        self.metrics.running.inc()
         try:
             job = validate(request, self.model, self.tokenizer, self.config.default_max_new_tokens,
                            self.config.max_stop_strings)
@@ -79,7 +80,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
                     whole.completion_tokens = chunk.completion_tokens
                 yield self._response(job, whole)
             outcome = "finished"
-            self.metrics.observe_e2e(time.monotonic() - started)
+            self.metrics.e2e.observe(time.monotonic() - started)
         except PdserveError as err:
             outcome = err.code.name.lower()
             await context.abort(err.code, str(err))
@@ -87,6 +88,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
             outcome = "deadline_exceeded" if (context.time_remaining() or 1) <= 0 else "cancelled"
             raise
         finally:
+            self.metrics.running.dec()
             self.metrics.request_done(outcome)
 
     def _response(self, job: GenerationJob, chunk: Chunk) -> generate_pb2.GenerateResponse:
@@ -104,18 +106,26 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
         so far are prefilled on another pair and generation goes on where it stopped."""
         output = OutputAssembler(self.tokenizer, job)
         generated: list[int] = []
+        last_token_at = started
         for recovery in range(MAX_RECOVERIES + 1):
             attempt = job.resumed(generated) if generated else job
             try:
                 async for chunk in self._relay(attempt, output, context):
+                    now = time.monotonic()
                     if not generated:  # the first token
-                        self.metrics.observe_ttft(time.monotonic() - started)
+                        self.metrics.ttft.observe(now - started)
+                    elif chunk.token_ids:
+                        # Tokens that arrive together share the gap since the last ones.
+                        for _ in chunk.token_ids:
+                            self.metrics.itl.observe((now - last_token_at) / len(chunk.token_ids))
+                    last_token_at = now
                     generated += chunk.token_ids
                     yield chunk
                 return
             except DecodeLost as lost:
                 if recovery == MAX_RECOVERIES:
                     raise UpstreamError(grpc.StatusCode.UNAVAILABLE, str(lost)) from lost
+                self.metrics.recoveries.inc()
                 log.warning("request %s: %s; resuming after %d tokens on another pair",
                             job.request_id, lost, len(generated))
 
@@ -123,49 +133,50 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
                      context: grpc.aio.ServicerContext) -> AsyncIterator[Chunk]:
         """One worker pair's part: reserve, prefill, then relay decode's stream into ``output``.
         Raises DecodeLost if the decode worker goes away mid-stream."""
-        decode_worker, prefill_worker, first_token = await self._prefill(job, context)
+        decode_worker, first_token = await self._prefill(job, context)
         decode_call = None
         finished_on_decode = False
-        decode_worker.in_flight += 1
-        try:
-            self.metrics.tokens(prompt=len(job.prompt_ids))
-            chunk = output.add([first_token])
-            yield chunk
-            if output.finished:
-                return
-            decode_call = decode_worker.stub.Decode(decode_pb2.DecodeRequest(
-                request_id=job.worker_request_id, first_token_id=first_token,
-                sampling=sampling_to_proto(job.params), prompt_token_ids=job.prompt_ids,
-                output_offset=job.output_offset), timeout=time_remaining(context))
+        with self.workers.track(decode_worker):
             try:
-                async for message in decode_call:
-                    chunk = output.add(list(message.token_ids))
-                    self.metrics.tokens(generated=len(chunk.token_ids))
-                    if message.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
-                        finished_on_decode = True
-                        if not output.finished:  # decode saw a finish we did not: trust it
-                            chunk.finish_reason = output.finish_reason = "length"
-                    yield chunk
-                    if output.finished:
-                        return
-            except grpc.aio.AioRpcError as err:
-                if err.code() != grpc.StatusCode.UNAVAILABLE:
-                    raise _upstream(err, decode_worker) from err
-                self.workers.mark_unhealthy(decode_worker, err.details() or "unavailable")
-                raise DecodeLost(f"decode worker {decode_worker.address} lost: "
-                                 f"{err.details()}") from err
-            raise DecodeLost(f"decode worker {decode_worker.address} ended the stream early")
-        finally:
-            decode_worker.in_flight -= 1
-            if decode_call is not None:
-                decode_call.cancel()
-            if not finished_on_decode:
-                self._release_later(decode_worker, job.worker_request_id)
+                if not job.output_offset:
+                    self.metrics.prompt_tokens.inc(len(job.prompt_ids))
+                chunk = output.add([first_token])
+                self.metrics.generated_tokens.inc(len(chunk.token_ids))
+                yield chunk
+                if output.finished:
+                    return
+                decode_call = decode_worker.stub.Decode(decode_pb2.DecodeRequest(
+                    request_id=job.worker_request_id, first_token_id=first_token,
+                    sampling=sampling_to_proto(job.params), prompt_token_ids=job.prompt_ids,
+                    output_offset=job.output_offset), timeout=time_remaining(context))
+                try:
+                    async for message in decode_call:
+                        chunk = output.add(list(message.token_ids))
+                        self.metrics.generated_tokens.inc(len(chunk.token_ids))
+                        if message.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
+                            finished_on_decode = True
+                            if not output.finished:  # decode saw a finish we did not: trust it
+                                chunk.finish_reason = output.finish_reason = "length"
+                        yield chunk
+                        if output.finished:
+                            return
+                except grpc.aio.AioRpcError as err:
+                    if err.code() != grpc.StatusCode.UNAVAILABLE:
+                        raise _upstream(err, decode_worker) from err
+                    self.workers.mark_unhealthy(decode_worker, err.details() or "unavailable")
+                    raise DecodeLost(f"decode worker {decode_worker.address} lost: "
+                                     f"{err.details()}") from err
+                raise DecodeLost(f"decode worker {decode_worker.address} ended the stream early")
+            finally:
+                if decode_call is not None:
+                    decode_call.cancel()
+                if not finished_on_decode:
+                    self._release_later(decode_worker, job.worker_request_id)
 
     async def _prefill(self, job: GenerationJob,
-                       context: grpc.aio.ServicerContext) -> tuple[Worker, Worker, int]:
+                       context: grpc.aio.ServicerContext) -> tuple[Worker, int]:
         """Reserves on a decode worker and prefills into it, trying other pairs on failures
-        that another pair may not have. Returns (decode, prefill, first token)."""
+        that another pair may not have. Returns (the decode worker, the first token)."""
         tried: set[str] = set()
         last_error: PdserveError | None = None
         for _ in range(MAX_ATTEMPTS):
@@ -191,12 +202,12 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
                 self._release_later(decode_worker, job.worker_request_id)
                 raise
             try:
-                prefill_worker.in_flight += 1
-                result = await prefill_worker.stub.Prefill(prefill_pb2.PrefillRequest(
-                    request_id=job.worker_request_id, prompt_token_ids=job.prompt_ids,
-                    sampling=sampling_to_proto(job.params), kv_target=reply.kv_target,
-                    output_offset=job.output_offset), timeout=time_remaining(context))
-                return decode_worker, prefill_worker, result.first_token_id
+                with self.workers.track(prefill_worker):
+                    result = await prefill_worker.stub.Prefill(prefill_pb2.PrefillRequest(
+                        request_id=job.worker_request_id, prompt_token_ids=job.prompt_ids,
+                        sampling=sampling_to_proto(job.params), kv_target=reply.kv_target,
+                        output_offset=job.output_offset), timeout=time_remaining(context))
+                return decode_worker, result.first_token_id
             except grpc.aio.AioRpcError as err:
                 self._release_later(decode_worker, job.worker_request_id)
                 last_error = _upstream(err, prefill_worker)
@@ -206,8 +217,6 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
             except BaseException:
                 self._release_later(decode_worker, job.worker_request_id)
                 raise
-            finally:
-                prefill_worker.in_flight -= 1
         assert last_error is not None
         raise last_error
 
@@ -228,8 +237,9 @@ async def serve(config: RouterConfig) -> None:
     model = model_config(config.model)
     tokenizer = load_tokenizer(config.model)
     server = Server(config.server.host, config.server.port)
-    metrics = Metrics("router", worker_id(config.server, "router", server.port))
-    workers = WorkerPool(config.prefill_addrs, config.decode_addrs, model, config.health_interval_s)
+    metrics = RouterMetrics(worker_id(config.server, "router", server.port))
+    workers = WorkerPool({"prefill": config.prefill_addrs, "decode": config.decode_addrs}, model,
+                         config.health_interval_s, metrics, config.discovery_interval_s)
     servicer = GenerationServicer(config, model, tokenizer, workers, metrics)
     server.add(generate_pb2_grpc.add_GenerationServiceServicer_to_server, servicer,
                [generate_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name])

@@ -1,9 +1,17 @@
-"""The router's view of its workers: addresses, health (grpc.health.v1), round-robin choice."""
+"""The router's view of its workers: discovery (static lists or DNS), health, round-robin choice.
+
+Static workers are ``host:port``; ``dns:NAME:PORT`` stands for every address NAME resolves to
+(a Kubernetes headless Service), re-resolved every discovery interval: new pods join, pods that
+are gone leave once their in-flight requests are done.
+"""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
+import socket
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,18 +20,38 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.errors import NoHealthyWorker
 from pdserve.grpc_util import channel
+from pdserve.metrics import RouterMetrics
 from pdserve.models.config import ModelConfig
 from protos.pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc, worker_pb2
 
 log = logging.getLogger(__name__)
 
 STUBS = {"prefill": prefill_pb2_grpc.PrefillServiceStub, "decode": decode_pb2_grpc.DecodeServiceStub}
+Resolver = Callable[[str, int], Awaitable[list[str]]]
+
+
+async def resolve_dns(name: str, port: int) -> list[str]:
+    """Every address ``name`` resolves to, as ``host:port`` strings."""
+    infos = await asyncio.get_running_loop().getaddrinfo(name, port, type=socket.SOCK_STREAM)
+    hosts = sorted({info[4][0] for info in infos})
+    return [f"[{h}]:{port}" if ":" in h else f"{h}:{port}" for h in hosts]
+
+
+def parse_source(spec: str) -> tuple[str, int] | None:
+    """``dns:NAME:PORT`` -> (NAME, PORT); a plain ``host:port`` -> None."""
+    if not spec.startswith("dns:"):
+        return None
+    name, _, port = spec[4:].rpartition(":")
+    if not name or not port.isdigit():
+        raise ValueError(f"bad discovery source {spec!r}; expected dns:NAME:PORT")
+    return name, int(port)
 
 
 @dataclass(eq=False)
 class Worker:
     role: str
     address: str
+    source: str                     # the static address or dns:... entry it came from
     channel: grpc.aio.Channel
     stub: Any
     healthy: bool = False
@@ -33,16 +61,27 @@ class Worker:
 
 
 class WorkerPool:
-    def __init__(self, prefill_addrs: list[str], decode_addrs: list[str], model: ModelConfig,
-                 interval_s: float) -> None:
+    def __init__(self, sources: dict[str, list[str]], model: ModelConfig, interval_s: float,
+                 metrics: RouterMetrics | None = None, discovery_interval_s: float = 5.0,
+                 resolver: Resolver = resolve_dns) -> None:
         self.model = model
         self.interval_s = interval_s
+        self.discovery_interval_s = discovery_interval_s
+        self.metrics = metrics
+        self.resolver = resolver
+        self.sources = sources
         self.workers: dict[str, list[Worker]] = {"prefill": [], "decode": []}
-        for role, addrs in (("prefill", prefill_addrs), ("decode", decode_addrs)):
-            for address in addrs:
-                ch = channel(address)
-                self.workers[role].append(Worker(role, address, ch, STUBS[role](ch)))
+        self._retired: list[Worker] = []
         self._turn = {role: itertools.count() for role in self.workers}
+        for role, specs in sources.items():
+            for spec in specs:
+                if parse_source(spec) is None:
+                    self._add(role, spec, spec)
+
+    def _add(self, role: str, address: str, source: str) -> None:
+        ch = channel(address)
+        self.workers[role].append(Worker(role, address, source, ch, STUBS[role](ch)))
+        log.info("%s worker %s added (from %s)", role, address, source)
 
     def healthy(self, role: str) -> list[Worker]:
         return [w for w in self.workers[role] if w.healthy]
@@ -59,18 +98,70 @@ class WorkerPool:
             raise NoHealthyWorker(f"no healthy {role} worker (known: {known})")
         return candidates[next(self._turn[role]) % len(candidates)]
 
+    @contextlib.contextmanager
+    def track(self, worker: Worker) -> Iterator[None]:
+        """Counts a request as in flight on ``worker`` while the block runs."""
+        worker.in_flight += 1
+        self._publish(worker)
+        try:
+            yield
+        finally:
+            worker.in_flight -= 1
+            self._publish(worker)
+
     def mark_unhealthy(self, worker: Worker, problem: str) -> None:
         if worker.healthy:
             log.warning("%s worker %s unhealthy: %s", worker.role, worker.address, problem)
         worker.healthy = False
         worker.problem = problem
+        self._publish(worker)
+
+    def _publish(self, worker: Worker) -> None:
+        if self.metrics:
+            self.metrics.worker_healthy.labels(worker.role, worker.address).set(int(worker.healthy))
+            self.metrics.worker_in_flight.labels(worker.role, worker.address).set(worker.in_flight)
+
+    async def discover(self) -> None:
+        """Re-resolves every dns: source; adds new addresses, retires vanished ones."""
+        for role, specs in self.sources.items():
+            for spec in specs:
+                target = parse_source(spec)
+                if target is None:
+                    continue
+                try:
+                    found = set(await self.resolver(*target))
+                except OSError as err:
+                    log.warning("cannot resolve %s: %s (keeping the last answer)", spec, err)
+                    continue
+                current = {w.address for w in self.workers[role] if w.source == spec}
+                for address in sorted(found - current):
+                    self._add(role, address, spec)
+                for worker in [w for w in self.workers[role]
+                               if w.source == spec and w.address not in found]:
+                    log.info("%s worker %s left %s", role, worker.address, spec)
+                    self.workers[role].remove(worker)
+                    self._retired.append(worker)
+        await self._close_idle_retired()
+
+    async def _close_idle_retired(self) -> None:
+        for worker in [w for w in self._retired if w.in_flight == 0]:
+            self._retired.remove(worker)
+            if self.metrics:
+                self.metrics.worker_healthy.remove(worker.role, worker.address)
+                self.metrics.worker_in_flight.remove(worker.role, worker.address)
+            await worker.channel.close()
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self._probe(w) for ws in self.workers.values() for w in ws))
 
-    async def run(self, on_probe: Any) -> None:
-        """Probes every worker each interval, then calls ``on_probe(ready)``."""
+    async def run(self, on_probe: Callable[[bool], Awaitable[None]]) -> None:
+        """Discovers and probes workers forever; calls ``on_probe(ready)`` after each round."""
+        loop = asyncio.get_running_loop()
+        next_discovery = 0.0
         while True:
+            if loop.time() >= next_discovery:
+                await self.discover()
+                next_discovery = loop.time() + self.discovery_interval_s
             await self.probe_all()
             await on_probe(self.ready)
             await asyncio.sleep(self.interval_s)
@@ -94,6 +185,7 @@ class WorkerPool:
             log.info("%s worker %s healthy", worker.role, worker.address)
         worker.healthy = True
         worker.problem = ""
+        self._publish(worker)
 
     def _incompatibility(self, info: worker_pb2.WorkerInfo) -> str:
         if info.vocab_size != self.model.vocab_size or info.max_model_len < self.model.max_model_len:
@@ -103,6 +195,5 @@ class WorkerPool:
         return ""
 
     async def close(self) -> None:
-        for ws in self.workers.values():
-            for w in ws:
-                await w.channel.close()
+        for worker in [w for ws in self.workers.values() for w in ws] + self._retired:
+            await worker.channel.close()
