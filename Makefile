@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: up test stubs clean
+.PHONY: up test stubs clean test-tools
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,8 +23,16 @@ $(VENV)/.test: $(VENV)/.base
 up: $(VENV)/.base
 	$(VENV)/bin/pdserve up $(ARGS)
 
-test: $(VENV)/.test
+test: $(VENV)/.test test-tools
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The metrics tests run a real Prometheus server: Debian's package, installed when we may.
+test-tools:
+	@command -v prometheus >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing Debian's prometheus for the metrics tests"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; \
+	  else echo "prometheus not found and not root: the Prometheus test will be skipped"; fi; }
 
 stubs: $(VENV)/.test
 	$(PY) -m protos.generate_stubs

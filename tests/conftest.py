@@ -37,6 +37,7 @@ class Cluster:
     address: str
     workers: dict[str, list[str]] = field(default_factory=dict)   # role -> grpc addresses
     pids: dict[str, int] = field(default_factory=dict)
+    metrics_urls: dict[str, str] = field(default_factory=dict)    # "router0" -> http://.../metrics
 
     def channel(self) -> grpc.Channel:
         return grpc.insecure_channel(self.address)
@@ -72,10 +73,12 @@ def start_cluster(extra: list[str] | None = None, timeout_s: float = 120.0) -> C
     deadline = time.monotonic() + timeout_s
     assert process.stdout is not None
     for line in process.stdout:
-        match = re.match(r"(\w+)\s+grpc=(\S+)\s+metrics=\S+\s+pid=(\d+)", line)
+        match = re.match(r"(\w+)\s+grpc=(\S+)\s+metrics=(\S+)\s+pid=(\d+)", line)
         if match:
             cluster.workers[match[1]].append(match[2])
-            cluster.pids[f"{match[1]}{len(cluster.workers[match[1]]) - 1}"] = int(match[3])
+            name = f"{match[1]}{len(cluster.workers[match[1]]) - 1}"
+            cluster.pids[name] = int(match[4])
+            cluster.metrics_urls[name] = match[3]
         if "ready" in line:
             return cluster
         if time.monotonic() > deadline:

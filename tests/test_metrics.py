@@ -1,0 +1,141 @@
+"""Every process exports Prometheus metrics; a real Prometheus server scrapes the cluster."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import free_port, generate
+from prometheus_client.parser import text_string_to_metric_families
+
+from protos.pdserve.v1 import generate_pb2
+
+ROOT = Path(__file__).resolve().parent.parent
+DASHBOARD = ROOT / "helm" / "pdserve" / "dashboards" / "pdserve.json"
+
+
+def _scrape(url: str) -> dict[str, float]:
+    """Sample name (with labels) -> value, from one /metrics page."""
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}"] = sample.value
+    return samples
+
+
+def _sum(samples: dict[str, float], name: str) -> float:
+    return sum(v for k, v in samples.items() if k.startswith(name + "{"))
+
+
+def test_every_process_exports_its_metrics(cluster):
+    generate(cluster.stub(), text="count me",
+             sampling=generate_pb2.SamplingParams(max_new_tokens=6, ignore_eos=True))
+    router = _scrape(cluster.metrics_urls["router0"])
+    prefill = _scrape(cluster.metrics_urls["prefill0"])
+    decode = _scrape(cluster.metrics_urls["decode0"])
+    assert _sum(router, "pdserve_time_to_first_token_seconds_count") >= 1
+    assert _sum(router, "pdserve_inter_token_latency_seconds_count") >= 5
+    assert 'pdserve_requests_total{outcome=finished,role=router' in "".join(router)
+    assert any(k.startswith("pdserve_worker_healthy{") and v == 1 for k, v in router.items())
+    assert _sum(prefill, "pdserve_prompt_tokens_total") >= 8
+    assert _sum(prefill, "pdserve_kv_transfer_bytes_total") > 0
+    assert _sum(prefill, "pdserve_kv_transfer_duration_seconds_count") >= 1
+    assert _sum(prefill, "pdserve_kv_transfer_errors_total") == 0
+    assert _sum(decode, "pdserve_generated_tokens_total") >= 5
+    assert _sum(decode, "pdserve_decode_steps_total") >= 5
+    assert _sum(decode, "pdserve_kv_pages_free") + _sum(decode, "pdserve_kv_pages_used") == 1023
+    for samples in (router, prefill, decode):
+        for name in samples:
+            assert re.match(r"pdserve_[a-z0-9_]+\{", name) or not name.startswith("pdserve"), name
+            if "_total" in name.split("{")[0]:
+                assert name.split("{")[0].endswith(("_total", "_created"))
+
+
+@pytest.fixture(scope="module")
+def prometheus(cluster, tmp_path_factory):
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip("Prometheus is not installed (make test installs Debian's package as root)")
+    folder = tmp_path_factory.mktemp("prometheus")
+    targets = [urllib.parse.urlparse(u).netloc for u in cluster.metrics_urls.values()]
+    (folder / "prometheus.yml").write_text(json.dumps({
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [{"job_name": "pdserve", "static_configs": [{"targets": targets}]}]}))
+    port = free_port()
+    process = subprocess.Popen(
+        [binary, f"--config.file={folder / 'prometheus.yml'}",
+         f"--storage.tsdb.path={folder / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/-/ready", timeout=1)
+            break
+        except OSError:
+            assert process.poll() is None and time.monotonic() < deadline, "Prometheus did not start"
+            time.sleep(0.2)
+    yield url
+    process.terminate()
+    process.wait(10)
+
+
+def _query(url: str, promql: str) -> float | None:
+    reply = json.load(urllib.request.urlopen(
+        f"{url}/api/v1/query?query={urllib.parse.quote(promql)}", timeout=5))
+    result = reply["data"]["result"]
+    return float(result[0]["value"][1]) if result else None
+
+
+def _wait_for(url: str, promql: str, at_least: float, timeout_s: float = 30) -> float | None:
+    deadline = time.monotonic() + timeout_s
+    value = None
+    while time.monotonic() < deadline:
+        value = _query(url, promql)
+        if value is not None and value >= at_least:
+            return value
+        time.sleep(0.5)
+    return value
+
+
+def test_prometheus_sees_the_requests(cluster, prometheus):
+    router = cluster.metrics_urls["router0"]
+    ttft_before = _sum(_scrape(router), "pdserve_time_to_first_token_seconds_count")
+    tokens_before = _sum(_scrape(router), "pdserve_generated_tokens_total")
+    for i in range(5):
+        generate(cluster.stub(), text=f"scrape {i}",
+                 sampling=generate_pb2.SamplingParams(max_new_tokens=7, ignore_eos=True))
+    ttft = _wait_for(prometheus, 'sum(pdserve_time_to_first_token_seconds_count{role="router"})',
+                     ttft_before + 5)
+    assert ttft is not None and ttft >= ttft_before + 5
+    tokens = _wait_for(prometheus, 'sum(pdserve_generated_tokens_total{role="router"})',
+                       tokens_before + 35)
+    assert tokens is not None and tokens >= tokens_before + 35
+    decode_tokens = _wait_for(prometheus, 'sum(pdserve_generated_tokens_total{role="decode"})', 30)
+    assert decode_tokens is not None and decode_tokens >= 30
+    up = _wait_for(prometheus, 'count(up{job="pdserve"} == 1)', 3)
+    assert up == 3
+
+
+def test_dashboard_loads_and_queries_only_exported_metrics(cluster):
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert len(exprs) >= 10
+    titles = {p["title"] for p in dashboard["panels"] if p["type"] == "row"}
+    assert {"Router", "Prefill pool", "Decode pool", "KV transfer"} <= titles
+    generate(cluster.stub(), text="fill the histograms",
+             sampling=generate_pb2.SamplingParams(max_new_tokens=4, ignore_eos=True))
+    exported = set()
+    for url in cluster.metrics_urls.values():
+        exported |= {key.split("{")[0] for key in _scrape(url)}
+    used = {name for expr in exprs for name in re.findall(r"\b(pdserve_[a-z0-9_]+)", expr)}
+    missing = sorted(used - exported)
+    assert not missing, f"dashboard queries metrics no process exports: {missing}"
