@@ -168,8 +168,17 @@ def _wait_serving(address: str, process: subprocess.Popen, timeout_s: float = 60
     raise TimeoutError(address)
 
 
-def start_roles(roles: list[str]) -> RoleProcesses:
-    """Starts one process per entry of ``roles`` ("prefill"/"decode"), then a router over them."""
+def _worker_flags(addresses: dict[str, str], role: str, discovery: bool) -> list[str]:
+    chosen = [a for n, a in addresses.items() if n.startswith(role)]
+    if discovery:
+        return [f"--{role}-discovery", ",".join(f"dns:localhost:{a.rsplit(':', 1)[1]}" for a in chosen),
+                "--discovery-interval-s", "0.5"]
+    return [f"--{role}-addrs", ",".join(chosen)]
+
+
+def start_roles(roles: list[str], discovery: bool = False) -> RoleProcesses:
+    """Starts one process per entry of ``roles`` ("prefill"/"decode"), then a router over them
+    (with ``discovery``, finding them as dns:localhost:PORT instead of static addresses)."""
     role_flags = {"prefill": PREFILL_FLAGS, "decode": DECODE_FLAGS}
     processes, addresses = {}, {}
     for i, role in enumerate(roles):
@@ -185,7 +194,6 @@ def start_roles(roles: list[str]) -> RoleProcesses:
     processes["router"] = subprocess.Popen([
         sys.executable, "-m", "pdserve", "router", "--port", str(port), "--model", "tiny",
         "--health-interval-s", "0.5",
-        "--prefill-addrs", ",".join(a for n, a in addresses.items() if n.startswith("prefill")),
-        "--decode-addrs", ",".join(a for n, a in addresses.items() if n.startswith("decode"))])
+        *_worker_flags(addresses, "prefill", discovery), *_worker_flags(addresses, "decode", discovery)])
     _wait_serving(router, processes["router"])
     return RoleProcesses(router, processes, addresses)
