@@ -14,10 +14,11 @@ from kv_transfer.service import KVTransferServicer
 from pdserve.config import DecodeConfig
 from pdserve.engine.runner import ModelRunner
 from pdserve.errors import InvalidRequest, PdserveError
-from pdserve.grpc_util import Server, map_errors
+from pdserve.grpc_util import map_errors
 from pdserve.metrics import DecodeMetrics
 from pdserve.proto_convert import sampling_from_proto, worker_info
-from pdserve.serving import advertised_address, serve_until_signal, start_metrics, worker_id
+from pdserve.serving import (advertised_address, make_server, serve_until_signal, start_metrics,
+                             worker_id)
 from protos.pdserve.v1 import (decode_pb2, decode_pb2_grpc, generate_pb2, kv_transfer_pb2,
                                kv_transfer_pb2_grpc, worker_pb2)
 
@@ -93,7 +94,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
 async def serve(config: DecodeConfig) -> None:
     runner = ModelRunner(config.engine, "decode")
-    server = Server(config.server.host, config.server.port)
+    server = make_server(config.server)
     worker = worker_id(config.server, "decode", server.port)
     metrics = DecodeMetrics(worker)
     table = ReservationTable(runner.pool, config.max_queued_reservations, config.reserve_wait_s,

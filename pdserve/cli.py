@@ -33,6 +33,11 @@ def _server_options(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument("--advertise-host", default="",
                         help="host other processes reach this one at (default: --host)")
     parser.add_argument("--worker-id", default="", help="name in logs and metrics labels")
+    parser.add_argument("--tls-cert-file", default="", help="serve gRPC over TLS (PEM)")
+    parser.add_argument("--tls-key-file", default="", help="the certificate's key (PEM)")
+    parser.add_argument("--health-port", type=int, default=-1,
+                        help="also serve grpc.health.v1 alone, in plaintext, on this port "
+                        "(for probes that cannot speak TLS; -1: no)")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -87,7 +92,9 @@ def _router_options(parser: argparse.ArgumentParser, with_model: bool) -> None:
 
 def _server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port,
-                        advertise_host=args.advertise_host, worker_id=args.worker_id)
+                        advertise_host=args.advertise_host, worker_id=args.worker_id,
+                        tls_cert_file=args.tls_cert_file, tls_key_file=args.tls_key_file,
+                        health_port=args.health_port)
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -149,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[])
     gen.add_argument("--timeout-s", type=float, default=None)
+    gen.add_argument("--tls-ca-file", default="", help="connect over TLS, trusting this CA (PEM)")
     return parser
 
 

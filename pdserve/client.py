@@ -16,7 +16,12 @@ def generate_to_terminal(args: argparse.Namespace) -> int:
     if args.seed is not None:
         sampling.seed = args.seed
     request = generate_pb2.GenerateRequest(text=args.text, sampling=sampling, stream=True)
-    with grpc.insecure_channel(args.addr) as channel:
+    if args.tls_ca_file:
+        with open(args.tls_ca_file, "rb") as ca:
+            channel = grpc.secure_channel(args.addr, grpc.ssl_channel_credentials(ca.read()))
+    else:
+        channel = grpc.insecure_channel(args.addr)
+    with channel:
         stub = generate_pb2_grpc.GenerationServiceStub(channel)
         try:
             for response in stub.Generate(request, timeout=args.timeout_s):

@@ -26,6 +26,9 @@ class ServerConfig:
     metrics_port: int = -1              # -1 = no metrics server, 0 = any free port
     advertise_host: str = ""            # host others reach us at; default: host
     worker_id: str = ""
+    tls_cert_file: str = ""             # with tls_key_file: serve gRPC over TLS
+    tls_key_file: str = ""
+    health_port: int = -1               # a plaintext grpc.health.v1-only port (for probes); -1 none
 
 
 @dataclass

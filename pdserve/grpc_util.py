@@ -29,17 +29,37 @@ def channel(address: str) -> grpc.aio.Channel:
 
 
 class Server:
-    """A grpc.aio server on one port with grpc.health.v1 and reflection."""
+    """A grpc.aio server on one port with grpc.health.v1 and reflection.
 
-    def __init__(self, host: str, port: int) -> None:
+    With a certificate and key it serves TLS. ``health_port`` >= 0 adds a second, plaintext
+    server that answers only grpc.health.v1 (Kubernetes' gRPC probes cannot speak TLS).
+    """
+
+    def __init__(self, host: str, port: int, tls_cert_file: str = "", tls_key_file: str = "",
+                 health_port: int = -1) -> None:
         self.grpc = grpc.aio.server(options=CHANNEL_OPTIONS)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         self._service_names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
-        self.port = self.grpc.add_insecure_port(f"{host}:{port}")
+        address = f"{host}:{port}"
+        if bool(tls_cert_file) != bool(tls_key_file):
+            raise ValueError("TLS needs both a certificate and a key file")
+        if tls_cert_file:
+            with open(tls_key_file, "rb") as key, open(tls_cert_file, "rb") as cert:
+                credentials = grpc.ssl_server_credentials([(key.read(), cert.read())])
+            self.port = self.grpc.add_secure_port(address, credentials)
+        else:
+            self.port = self.grpc.add_insecure_port(address)
         if self.port == 0:
-            raise OSError(f"cannot listen on {host}:{port}")
+            raise OSError(f"cannot listen on {address}")
+        self.tls = bool(tls_cert_file)
         self.host = host
+        self.health_server: grpc.aio.Server | None = None
+        self.health_port = -1
+        if health_port >= 0:
+            self.health_server = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            self.health_port = self.health_server.add_insecure_port(f"{host}:{health_port}")
 
     def add(self, add_fn: Callable[[Any, grpc.aio.Server], None], servicer: Any,
             descriptor_service_names: Iterable[str]) -> None:
@@ -50,6 +70,8 @@ class Server:
         reflection.enable_server_reflection([*self._service_names, reflection.SERVICE_NAME], self.grpc)
         await self.set_serving(False)  # until the role says it is ready
         await self.grpc.start()
+        if self.health_server is not None:
+            await self.health_server.start()
 
     async def set_serving(self, serving: bool) -> None:
         status = (health_pb2.HealthCheckResponse.SERVING if serving
@@ -60,6 +82,8 @@ class Server:
     async def stop(self, grace_s: float) -> None:
         await self.set_serving(False)
         await self.grpc.stop(grace_s)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
 
 
 def map_errors(handler: Callable) -> Callable:

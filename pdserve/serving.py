@@ -17,6 +17,11 @@ def setup_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+def make_server(config: ServerConfig) -> Server:
+    return Server(config.host, config.port, config.tls_cert_file, config.tls_key_file,
+                  config.health_port)
+
+
 def worker_id(config: ServerConfig, role: str, port: int) -> str:
     return config.worker_id or f"{role}-{socket.gethostname()}-{port}"
 
@@ -44,8 +49,9 @@ async def serve_until_signal(server: Server, role: str, metrics_url: str, servin
     await server.start()
     if serving:
         await server.set_serving(True)
-    log.info("%s serving gRPC on %s:%d%s", role, server.host, server.port,
-             f", metrics on {metrics_url}" if metrics_url else "")
+    log.info("%s serving gRPC%s on %s:%d%s%s", role, " (TLS)" if server.tls else "",
+             server.host, server.port, f", metrics on {metrics_url}" if metrics_url else "",
+             f", health on {server.health_port}" if server.health_port >= 0 else "")
     await stop.wait()
     log.info("%s stopping (grace %.0f s)", role, grace_s)
     await server.stop(grace_s)

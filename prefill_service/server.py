@@ -10,10 +10,10 @@ from kv_transfer.base import KVTarget
 from pdserve.config import PrefillConfig
 from pdserve.engine.runner import ModelRunner
 from pdserve.errors import InvalidRequest, PdserveError
-from pdserve.grpc_util import Server, map_errors
+from pdserve.grpc_util import map_errors
 from pdserve.metrics import PrefillMetrics
 from pdserve.proto_convert import sampling_from_proto, worker_info
-from pdserve.serving import serve_until_signal, start_metrics, worker_id
+from pdserve.serving import make_server, serve_until_signal, start_metrics, worker_id
 from prefill_service.scheduler import PrefillScheduler, PrefillTask
 from protos.pdserve.v1 import prefill_pb2, prefill_pb2_grpc, worker_pb2
 
@@ -59,7 +59,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
 
 async def serve(config: PrefillConfig) -> None:
     runner = ModelRunner(config.engine, "prefill")
-    server = Server(config.server.host, config.server.port)
+    server = make_server(config.server)
     worker = worker_id(config.server, "prefill", server.port)
     metrics = PrefillMetrics(worker)
     scheduler = PrefillScheduler(runner, config.chunk_size, config.max_queued_requests,

@@ -10,12 +10,12 @@ import grpc
 
 from pdserve.config import RouterConfig
 from pdserve.errors import NoHealthyWorker, PdserveError, UpstreamError
-from pdserve.grpc_util import Server, map_errors, time_remaining
+from pdserve.grpc_util import map_errors, time_remaining
 from pdserve.metrics import RouterMetrics
 from pdserve.models.config import ModelConfig
 from pdserve.models.loader import model_config
 from pdserve.proto_convert import sampling_to_proto
-from pdserve.serving import serve_until_signal, start_metrics, worker_id
+from pdserve.serving import make_server, serve_until_signal, start_metrics, worker_id
 from pdserve.tokenizer import Tokenizer, load_tokenizer
 from protos.pdserve.v1 import decode_pb2, generate_pb2, generate_pb2_grpc, prefill_pb2
 from router.output import Chunk, OutputAssembler
@@ -236,7 +236,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
 async def serve(config: RouterConfig) -> None:
     model = model_config(config.model)
     tokenizer = load_tokenizer(config.model)
-    server = Server(config.server.host, config.server.port)
+    server = make_server(config.server)
     metrics = RouterMetrics(worker_id(config.server, "router", server.port))
     workers = WorkerPool({"prefill": config.prefill_addrs, "decode": config.decode_addrs}, model,
                          config.health_interval_s, metrics, config.discovery_interval_s)

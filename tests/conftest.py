@@ -168,6 +168,10 @@ def _wait_serving(address: str, process: subprocess.Popen, timeout_s: float = 60
     raise TimeoutError(address)
 
 
+def _flag(flags: list[str], name: str) -> str | None:
+    return flags[flags.index(name) + 1] if name in flags else None
+
+
 def _worker_flags(addresses: dict[str, str], role: str, discovery: bool) -> list[str]:
     chosen = [a for n, a in addresses.items() if n.startswith(role)]
     if discovery:
@@ -176,7 +180,8 @@ def _worker_flags(addresses: dict[str, str], role: str, discovery: bool) -> list
     return [f"--{role}-addrs", ",".join(chosen)]
 
 
-def start_roles(roles: list[str], discovery: bool = False) -> RoleProcesses:
+def start_roles(roles: list[str], discovery: bool = False,
+                router_flags: list[str] | None = None) -> RoleProcesses:
     """Starts one process per entry of ``roles`` ("prefill"/"decode"), then a router over them
     (with ``discovery``, finding them as dns:localhost:PORT instead of static addresses)."""
     role_flags = {"prefill": PREFILL_FLAGS, "decode": DECODE_FLAGS}
@@ -194,6 +199,8 @@ def start_roles(roles: list[str], discovery: bool = False) -> RoleProcesses:
     processes["router"] = subprocess.Popen([
         sys.executable, "-m", "pdserve", "router", "--port", str(port), "--model", "tiny",
         "--health-interval-s", "0.5",
-        *_worker_flags(addresses, "prefill", discovery), *_worker_flags(addresses, "decode", discovery)])
-    _wait_serving(router, processes["router"])
+        *_worker_flags(addresses, "prefill", discovery), *_worker_flags(addresses, "decode", discovery),
+        *(router_flags or [])])
+    health_port = _flag(router_flags or [], "--health-port")
+    _wait_serving(f"127.0.0.1:{health_port}" if health_port else router, processes["router"])
     return RoleProcesses(router, processes, addresses)
