@@ -14,7 +14,7 @@ from kv_transfer.service import KVTransferServicer
 from pdserve.config import DecodeConfig
 from pdserve.engine.runner import ModelRunner
 from pdserve.errors import InvalidRequest, PdserveError
-from pdserve.grpc_util import map_errors
+from pdserve.grpc_util import Server, map_errors
 from pdserve.metrics import DecodeMetrics
 from pdserve.proto_convert import sampling_from_proto, worker_info
 from pdserve.serving import (advertised_address, make_server, serve_until_signal, start_metrics,
@@ -100,17 +100,29 @@ async def serve(config: DecodeConfig) -> None:
     table = ReservationTable(runner.pool, config.max_queued_reservations, config.reserve_wait_s,
                              config.lease_timeout_s, metrics)
     loop = DecodeLoop(runner, table, config.max_running_requests, metrics)
-    servicer = DecodeServicer(runner, table, loop, advertised_address(config.server, server.port),
-                              worker)
+    # Prefill workers write KV into our KVTransferService: on the main port, or on a port of its
+    # own so a NetworkPolicy can open it to prefill pods alone.
+    transfer_server = server
+    if config.kv_transfer_port >= 0:
+        transfer_server = Server(config.server.host, config.kv_transfer_port)
+    servicer = DecodeServicer(runner, table, loop,
+                              advertised_address(config.server, transfer_server.port), worker)
     server.add(decode_pb2_grpc.add_DecodeServiceServicer_to_server, servicer,
                [decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name])
-    server.add(kv_transfer_pb2_grpc.add_KVTransferServiceServicer_to_server, KVTransferServicer(runner.pool, table, metrics.transfer_bytes.inc),
-               [kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransferService"].full_name])
+    transfer_server.add(kv_transfer_pb2_grpc.add_KVTransferServiceServicer_to_server,
+                        KVTransferServicer(runner.pool, table, metrics.transfer_bytes.inc),
+                        [kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransferService"].full_name])
     metrics_url = start_metrics(config.server, metrics)
     loop_task = asyncio.create_task(loop.run(), name="decode-loop")
+    if transfer_server is not server:
+        await transfer_server.start()
+        await transfer_server.set_serving(True)
+        log.info("decode: KV transfer on port %d", transfer_server.port)
     try:
-        await serve_until_signal(server, "decode", metrics_url)
+        await serve_until_signal(server, "decode", metrics_url, config.server.shutdown_grace_s)
     finally:
+        if transfer_server is not server:
+            await transfer_server.stop(config.server.shutdown_grace_s)
         loop_task.cancel()
         loop.shutdown()
 

@@ -20,7 +20,8 @@ PREFILL_FLAGS = [("--chunk-size", "chunk_size"), ("--max-queued-requests", "max_
                  ("--transfer-timeout-s", "transfer_timeout_s")]
 DECODE_FLAGS = [("--max-running-requests", "max_running_requests"),
                 ("--max-queued-reservations", "max_queued_reservations"),
-                ("--reserve-wait-s", "reserve_wait_s"), ("--lease-timeout-s", "lease_timeout_s")]
+                ("--reserve-wait-s", "reserve_wait_s"), ("--lease-timeout-s", "lease_timeout_s"),
+                ("--kv-transfer-port", "kv_transfer_port")]
 ROUTER_FLAGS = [("--model", "model"), ("--health-interval-s", "health_interval_s"),
                 ("--default-max-new-tokens", "default_max_new_tokens")]
 
@@ -38,6 +39,8 @@ def _server_options(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument("--health-port", type=int, default=-1,
                         help="also serve grpc.health.v1 alone, in plaintext, on this port "
                         "(for probes that cannot speak TLS; -1: no)")
+    parser.add_argument("--shutdown-grace-s", type=float, default=5.0,
+                        help="on SIGTERM, how long in-flight calls may take to finish")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -78,6 +81,8 @@ def _decode_options(parser: argparse.ArgumentParser) -> None:
                    help="how long a reservation waits for free KV pages before RESOURCE_EXHAUSTED")
     g.add_argument("--lease-timeout-s", type=float, default=d.lease_timeout_s,
                    help="a reservation not committed and decoding by then is freed")
+    g.add_argument("--kv-transfer-port", type=int, default=d.kv_transfer_port,
+                   help="serve KV transfers on their own port (-1: the main gRPC port)")
 
 
 def _router_options(parser: argparse.ArgumentParser, with_model: bool) -> None:
@@ -94,7 +99,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port,
                         advertise_host=args.advertise_host, worker_id=args.worker_id,
                         tls_cert_file=args.tls_cert_file, tls_key_file=args.tls_key_file,
-                        health_port=args.health_port)
+                        health_port=args.health_port, shutdown_grace_s=args.shutdown_grace_s)
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -29,6 +29,7 @@ class ServerConfig:
     tls_cert_file: str = ""             # with tls_key_file: serve gRPC over TLS
     tls_key_file: str = ""
     health_port: int = -1               # a plaintext grpc.health.v1-only port (for probes); -1 none
+    shutdown_grace_s: float = 5.0       # on SIGTERM, how long in-flight calls may take to finish
 
 
 @dataclass
@@ -48,6 +49,7 @@ class DecodeConfig:
     max_queued_reservations: int = 1024
     reserve_wait_s: float = 10.0        # how long Reserve waits for free pages
     lease_timeout_s: float = 30.0       # reservation not committed + decoding by then: freed
+    kv_transfer_port: int = -1          # KVTransferService on its own port (-1: the main port)
 
 
 @dataclass

@@ -15,6 +15,10 @@ from pdserve.errors import PdserveError
 
 log = logging.getLogger(__name__)
 
+# A health service name that is SERVING whenever the process serves (for liveness probes), while
+# the overall status "" follows readiness (a router without healthy workers is not ready).
+LIVENESS_SERVICE = "pdserve.liveness"
+
 # KV page chunks and long prompts are larger than gRPC's 4 MiB default.
 MAX_MESSAGE_BYTES = 256 << 20
 CHANNEL_OPTIONS = [
@@ -69,6 +73,7 @@ class Server:
     async def start(self) -> None:
         reflection.enable_server_reflection([*self._service_names, reflection.SERVICE_NAME], self.grpc)
         await self.set_serving(False)  # until the role says it is ready
+        await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         await self.grpc.start()
         if self.health_server is not None:
             await self.health_server.start()
@@ -80,8 +85,10 @@ class Server:
             await self.health.set(name, status)
 
     async def stop(self, grace_s: float) -> None:
+        """Turns NOT_SERVING, refuses new calls and lets in-flight ones finish within grace_s."""
         await self.set_serving(False)
         await self.grpc.stop(grace_s)
+        await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
         if self.health_server is not None:
             await self.health_server.stop(0)
 

@@ -38,8 +38,8 @@ def start_metrics(config: ServerConfig, metrics: RoleMetrics) -> str:
     return f"http://{config.host}:{port}/metrics"
 
 
-async def serve_until_signal(server: Server, role: str, metrics_url: str, serving: bool = True,
-                             grace_s: float = 5.0) -> None:
+async def serve_until_signal(server: Server, role: str, metrics_url: str, grace_s: float,
+                             serving: bool = True) -> None:
     """Starts the server (SERVING at once unless ``serving`` is False: the caller flips it),
     logs where it listens, waits for SIGINT/SIGTERM, then drains in-flight calls."""
     stop = asyncio.Event()

@@ -70,7 +70,7 @@ async def serve(config: PrefillConfig) -> None:
     metrics_url = start_metrics(config.server, metrics)
     loop_task = asyncio.create_task(scheduler.run(), name="prefill-loop")
     try:
-        await serve_until_signal(server, "prefill", metrics_url)
+        await serve_until_signal(server, "prefill", metrics_url, config.server.shutdown_grace_s)
     finally:
         loop_task.cancel()
         await scheduler.shutdown()

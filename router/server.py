@@ -257,7 +257,8 @@ async def serve(config: RouterConfig) -> None:
     health_task = asyncio.create_task(workers.run(on_probe), name="worker-health")
     try:
         # Health turns SERVING only once a prefill and a decode worker are healthy.
-        await serve_until_signal(server, "router", metrics_url, serving=False)
+        await serve_until_signal(server, "router", metrics_url, config.server.shutdown_grace_s,
+                                 serving=False)
     finally:
         health_task.cancel()
         await workers.close()

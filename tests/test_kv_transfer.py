@@ -4,16 +4,21 @@ from __future__ import annotations
 import asyncio
 import random
 
+import grpc
 import pytest
 import torch
+from conftest import free_port, generate, start_roles
 
 from decode_service.reservations import ReservationTable
 from kv_transfer.grpc_engine import GrpcSender
 from kv_transfer.service import KVTransferServicer
+from pdserve.engine import local
+from pdserve.engine.sampling import SamplingParams
 from pdserve.errors import LayoutMismatch, TransferFailed
 from pdserve.grpc_util import Server
 from pdserve.kvcache.pool import KVLayout, KVPool
-from protos.pdserve.v1 import kv_transfer_pb2_grpc
+from protos.pdserve.v1 import (decode_pb2, decode_pb2_grpc, generate_pb2,
+                               kv_transfer_pb2_grpc)
 
 LAYOUT = KVLayout(model="m", dtype="bfloat16", page_size=4, num_layers=3, num_kv_heads=2, head_dim=8)
 
@@ -85,3 +90,23 @@ def test_writing_pages_of_an_unknown_reservation_fails():
         finally:
             await server.stop(0)
     asyncio.run(scenario())
+
+
+def test_cluster_with_kv_transfer_on_its_own_port(tiny_runner):
+    transfer_port = free_port()
+    cluster = start_roles(["prefill", "decode"], decode_flags=["--kv-transfer-port",
+                                                               str(transfer_port)])
+    try:
+        with grpc.insecure_channel(cluster.addresses["decode0"]) as ch:
+            target = decode_pb2_grpc.DecodeServiceStub(ch).Reserve(
+                decode_pb2.ReserveRequest(request_id="peek", prompt_len=4, max_new_tokens=1),
+                timeout=5).kv_target
+            decode_pb2_grpc.DecodeServiceStub(ch).Release(
+                decode_pb2.ReleaseRequest(request_id="peek"), timeout=5)
+        assert target.address == f"127.0.0.1:{transfer_port}"
+        prompt = list(b"through the transfer port")
+        ids = generate(cluster.stub(), token_ids=generate_pb2.TokenIds(ids=prompt),
+                       sampling=generate_pb2.SamplingParams(max_new_tokens=8, ignore_eos=True))[0]
+        assert ids == local.generate(tiny_runner, prompt, SamplingParams(max_new_tokens=8))
+    finally:
+        cluster.stop()
