@@ -1,0 +1,257 @@
+"""The Helm chart, rendered by Helm's own engine and validated against the Kubernetes schemas."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+helm = pytest.importorskip("helm_python", reason="helm-python-sdk (the test extra)")
+kubernetes_validate = pytest.importorskip("kubernetes_validate")
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "helm" / "pdserve"
+KUBE_VERSION = "1.30.0"
+NAMESPACE = "ml"
+
+ALL_ROLES = ("router", "prefill", "decode")
+VALUE_SETS = {
+    "default": {},
+    "gpu": {
+        "model": {"source": "pvc", "pvc": {"claimName": "models"}, "path": "llama3-8b",
+                  "dtype": "bfloat16"},
+        "prefill": {"gpus": 1, "device": "cuda", "nodeSelector": {"gpu": "h100"},
+                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
+                                     "effect": "NoSchedule"}]},
+        "decode": {"gpus": 2, "device": "cuda", "resources": {"limits": {"memory": "64Gi"}},
+                   "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+                       {"weight": 1, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
+                        "labelSelector": {"matchLabels": {"app.kubernetes.io/component": "decode"}}}}]}},
+                   "extraArgs": ["--max-queued-reservations=64"],
+                   "extraEnv": [{"name": "NCCL_DEBUG", "value": "WARN"}]},
+    },
+    "autoscaling": {role: {"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 8}}
+                    for role in ALL_ROLES} | {"decode": {"autoscaling": {
+                        "enabled": True, "maxReplicas": 6, "metrics": [{
+                            "type": "Pods", "pods": {
+                                "metric": {"name": "pdserve_queued_requests"},
+                                "target": {"type": "AverageValue", "averageValue": "4"}}}]}}},
+    "tls": {"tls": {"enabled": True, "secretName": "pdserve-tls"}},
+    "servicemonitor": {"metrics": {"serviceMonitor": {"enabled": True,
+                                                      "labels": {"release": "prometheus"}}}},
+    "hostpath-minimal": {"model": {"source": "hostPath", "hostPath": {"path": "/data/models"},
+                                   "path": "qwen3-0.6b"},
+                         "networkPolicy": {"enabled": False}, "dashboard": {"enabled": False},
+                         "serviceAccount": {"create": False},
+                         "router": {"podDisruptionBudget": {"enabled": False}}},
+    "model-in-image": {"model": {"source": "image", "path": "/opt/models/qwen3-8b"}},
+}
+
+
+def render(values: dict) -> tuple[list[dict], str]:
+    """The chart's objects and its NOTES.txt, as `helm template demo -n ml` would give them."""
+    with helm.Chart.load(str(CHART)) as chart:
+        manifests = chart.render(values, name="demo", namespace=NAMESPACE)
+    notes = manifests.pop("pdserve/templates/NOTES.txt", "")
+    objects = [doc for text in manifests.values() for doc in yaml.safe_load_all(text) if doc]
+    return objects, notes
+
+
+@pytest.fixture(scope="module", params=list(VALUE_SETS), ids=list(VALUE_SETS))
+def rendered(request):
+    return request.param, *render(VALUE_SETS[request.param])
+
+
+def _of(objects: list[dict], kind: str) -> list[dict]:
+    return [o for o in objects if o["kind"] == kind]
+
+
+def _one(objects: list[dict], kind: str, role: str) -> dict:
+    [obj] = [o for o in _of(objects, kind)
+             if o["metadata"]["labels"].get("app.kubernetes.io/component") == role]
+    return obj
+
+
+def _container(deployment: dict) -> dict:
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def _args(deployment: dict) -> dict[str, str]:
+    return dict(a.removeprefix("--").split("=", 1) for a in _container(deployment)["args"])
+
+
+def test_lint_passes():
+    for values in VALUE_SETS.values():
+        report = helm.lint(str(CHART), values, strict=True, kube_version=f"v{KUBE_VERSION}")
+        assert not report["errors"], report
+        assert not [m for m in report["messages"] if m["severity"] >= 2], report
+
+
+def test_every_object_is_valid_kubernetes(rendered):
+    _, objects, _ = rendered
+    for obj in objects:
+        if obj["kind"] == "ServiceMonitor":  # a CRD: not in the Kubernetes schemas
+            assert obj["apiVersion"] == "monitoring.coreos.com/v1"
+            continue
+        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+        assert obj["metadata"]["namespace"] == NAMESPACE or obj["kind"] == "ConfigMap"
+
+
+def test_services_select_pods_and_target_their_ports(rendered):
+    _, objects, _ = rendered
+    deployments = _of(objects, "Deployment")
+    assert len(deployments) == 3
+    for service in _of(objects, "Service"):
+        selector = service["spec"]["selector"]
+        [target] = [d for d in deployments
+                    if selector.items() <= d["spec"]["template"]["metadata"]["labels"].items()]
+        names = {p["name"] for p in _container(target)["ports"]}
+        assert {p["targetPort"] for p in service["spec"]["ports"]} <= names
+        assert target["spec"]["selector"]["matchLabels"].items() <= \
+            target["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_probes_ask_the_grpc_health_service(rendered):
+    name, objects, _ = rendered
+    for deployment in _of(objects, "Deployment"):
+        container = _container(deployment)
+        ports = {p["containerPort"]: p["name"] for p in container["ports"]}
+        role = deployment["metadata"]["labels"]["app.kubernetes.io/component"]
+        expected = "health" if (role == "router" and name == "tls") else "grpc"
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert ports[container[probe]["grpc"]["port"]] == expected, (role, probe)
+        assert container["livenessProbe"]["grpc"]["service"] == "pdserve.liveness"
+        assert "service" not in container["readinessProbe"]["grpc"]  # "": ready to serve
+        assert int(_args(deployment)["port"]) == next(p for p, n in ports.items() if n == "grpc")
+
+
+def test_router_discovers_the_headless_worker_services(rendered):
+    _, objects, _ = rendered
+    args = _args(_one(objects, "Deployment", "router"))
+    for role in ("prefill", "decode"):
+        service = _one(objects, "Service", role)
+        assert service["spec"]["clusterIP"] == "None"
+        match = re.fullmatch(r"dns:(.+)\.ml\.svc\.cluster\.local:(\d+)", args[f"{role}-discovery"])
+        assert match and match[1] == service["metadata"]["name"]
+        grpc_port = next(p for p in service["spec"]["ports"] if p["name"] == "grpc")
+        assert int(match[2]) == grpc_port["port"]
+        assert int(_args(_one(objects, "Deployment", role))["port"]) == grpc_port["port"]
+
+
+def test_workers_agree_on_the_kv_layout_and_decode_advertises_its_pod_ip(rendered):
+    _, objects, _ = rendered
+    prefill, decode = (_args(_one(objects, "Deployment", r)) for r in ("prefill", "decode"))
+    for key in ("model", "dtype", "page-size"):
+        assert prefill[key] == decode[key]
+    assert decode["advertise-host"] == "$(POD_IP)"
+    env = {e["name"] for e in _container(_one(objects, "Deployment", "decode"))["env"]}
+    assert "POD_IP" in env
+    ports = {p["name"]: p["containerPort"] for p in _container(_one(objects, "Deployment", "decode"))["ports"]}
+    assert int(decode["kv-transfer-port"]) == ports["kv-transfer"]
+
+
+def test_pods_run_as_non_root_with_a_read_only_root_filesystem(rendered):
+    _, objects, _ = rendered
+    for deployment in _of(objects, "Deployment"):
+        pod = deployment["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        container = _container(deployment)
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+        assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
+        assert container["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
+        grace = int(_args(deployment)["shutdown-grace-s"])
+        assert 0 < grace < pod["terminationGracePeriodSeconds"]
+
+
+def test_only_prefill_pods_reach_the_kv_transfer_port():
+    objects, _ = render({})
+    policy = next(p for p in _of(objects, "NetworkPolicy") if p["metadata"]["name"].endswith("decode"))
+    rules = {r["ports"][0]["port"]: r.get("from") for r in policy["spec"]["ingress"]}
+    [source] = rules["kv-transfer"]
+    assert source["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "prefill"
+    [source] = rules["grpc"]
+    assert source["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "router"
+    assert rules["metrics"] is None
+
+
+def test_gpu_values_request_gpus_and_mount_the_model():
+    objects, _ = render(VALUE_SETS["gpu"])
+    prefill, decode = (_one(objects, "Deployment", r) for r in ("prefill", "decode"))
+    assert _container(prefill)["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert _container(decode)["resources"]["limits"] == {"nvidia.com/gpu": 2, "memory": "64Gi"}
+    assert "nvidia.com/gpu" not in _container(_one(objects, "Deployment", "router"))["resources"].get("limits", {})
+    for deployment in _of(objects, "Deployment"):
+        assert _args(deployment)["model"] == "/models/llama3-8b"
+        volumes = deployment["spec"]["template"]["spec"]["volumes"]
+        assert {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in volumes
+    assert prefill["spec"]["template"]["spec"]["nodeSelector"] == {"gpu": "h100"}
+    assert _args(decode)["max-queued-reservations"] == "64"
+
+
+def test_autoscaling_targets_the_deployments():
+    objects, _ = render(VALUE_SETS["autoscaling"])
+    hpas = _of(objects, "HorizontalPodAutoscaler")
+    assert len(hpas) == 3
+    names = {d["metadata"]["name"]: d for d in _of(objects, "Deployment")}
+    for hpa in hpas:
+        target = names[hpa["spec"]["scaleTargetRef"]["name"]]
+        assert "replicas" not in target["spec"]
+    decode = _one(objects, "HorizontalPodAutoscaler", "decode")
+    assert decode["spec"]["metrics"][0]["pods"]["metric"]["name"] == "pdserve_queued_requests"
+
+
+def test_tls_mounts_the_secret_and_keeps_probes_in_plaintext():
+    objects, notes = render(VALUE_SETS["tls"])
+    router = _one(objects, "Deployment", "router")
+    args = _args(router)
+    assert args["tls-cert-file"] == "/etc/pdserve/tls/tls.crt"
+    assert {"name": "tls", "secret": {"secretName": "pdserve-tls"}} in \
+        router["spec"]["template"]["spec"]["volumes"]
+    assert "--tls-ca-file" in notes
+
+
+def test_service_monitor_scrapes_every_service_metrics_port():
+    objects, _ = render(VALUE_SETS["servicemonitor"])
+    [monitor] = _of(objects, "ServiceMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+    for service in _of(objects, "Service"):
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+        assert "metrics" in {p["name"] for p in service["spec"]["ports"]}
+
+
+def test_dashboard_ships_as_a_grafana_sidecar_configmap():
+    objects, notes = render({})
+    [config_map] = _of(objects, "ConfigMap")
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    shipped = json.loads(config_map["data"]["pdserve.json"])
+    assert shipped == json.loads((CHART / "dashboards" / "pdserve.json").read_text())
+    assert "pdserve generate --addr 127.0.0.1:50051" in notes
+
+
+def test_disruption_budgets_select_their_pods():
+    objects, _ = render({})
+    for pdb in _of(objects, "PodDisruptionBudget"):
+        role = pdb["metadata"]["labels"]["app.kubernetes.io/component"]
+        pods = _one(objects, "Deployment", role)["spec"]["template"]["metadata"]["labels"]
+        assert pdb["spec"]["selector"]["matchLabels"].items() <= pods.items()
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"model": {"source": "pvc"}}, "model.pvc.claimName is required"),
+    ({"model": {"source": "s3"}}, "model.source must be preset, pvc, hostPath or image"),
+    ({"tls": {"enabled": True}}, "tls.secretName is required"),
+])
+def test_bad_values_fail_with_a_clear_message(values, message):
+    with pytest.raises(helm.HelmError if hasattr(helm, "HelmError") else Exception, match=message):
+        render(values)
+
+
+def test_dockerfile_matches_the_chart():
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert f"--uid {values['podSecurityContext']['runAsUser']}" in dockerfile
+    assert '".[gpu]"' in dockerfile and "FROM nvidia/cuda" in dockerfile
