@@ -246,7 +246,7 @@ def test_disruption_budgets_select_their_pods():
     ({"tls": {"enabled": True}}, "tls.secretName is required"),
 ])
 def test_bad_values_fail_with_a_clear_message(values, message):
-    with pytest.raises(helm.HelmError if hasattr(helm, "HelmError") else Exception, match=message):
+    with pytest.raises(helm.HelmError, match=message):
         render(values)
 
 
