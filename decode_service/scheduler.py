@@ -141,7 +141,7 @@ class DecodeLoop:
             self.steps += 1
             self.metrics.step_duration.observe(time.perf_counter() - step_started)
             self.metrics.batch_size.observe(len(batch))
-            self.metrics.steps.labels("eager").inc()
+            self.metrics.steps.labels(self.runner.last_step_mode).inc()
             for req in batch:
                 if req.done:  # aborted during the step: its pages could not be freed until now
                     self.table.release(req.request_id)

@@ -15,7 +15,7 @@ from pdserve.config import (DecodeConfig, EngineConfig, PrefillConfig, RouterCon
 ENGINE_FLAGS = [("--model", "model"), ("--dtype", "dtype"), ("--device", "device"),
                 ("--seed", "seed"), ("--page-size", "page_size"), ("--num-pages", "num_pages"),
                 ("--kv-cache-gb", "kv_cache_gb"), ("--attention-backend", "attention_backend"),
-                ("--torch-threads", "torch_threads")]
+                ("--torch-threads", "torch_threads"), ("--cuda-graph-max-bs", "cuda_graph_max_bs")]
 PREFILL_FLAGS = [("--chunk-size", "chunk_size"), ("--max-queued-requests", "max_queued_requests"),
                  ("--transfer-timeout-s", "transfer_timeout_s")]
 DECODE_FLAGS = [("--max-running-requests", "max_running_requests"),
@@ -60,6 +60,10 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
                    help="auto, or a registered backend (torch)")
     g.add_argument("--torch-threads", type=int, default=d.torch_threads,
                    help="CPU threads for torch (0: torch's default)")
+    g.add_argument("--disable-cuda-graph", action="store_true",
+                   help="decode eagerly instead of replaying captured CUDA graphs")
+    g.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs,
+                   help="largest decode batch captured in a CUDA graph")
 
 
 def _prefill_options(parser: argparse.ArgumentParser) -> None:
@@ -103,7 +107,8 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{dest: getattr(args, dest) for _, dest in ENGINE_FLAGS})
+    return EngineConfig(**{dest: getattr(args, dest) for _, dest in ENGINE_FLAGS},
+                        cuda_graph=not args.disable_cuda_graph)
 
 
 def _addresses(value: str) -> list[str]:

@@ -17,6 +17,8 @@ class EngineConfig:
     kv_cache_gb: float = 1.0
     attention_backend: str = "auto"
     torch_threads: int = 0              # 0 = torch's default
+    cuda_graph: bool = True             # decode on CUDA: replay captured graphs
+    cuda_graph_max_bs: int = 256
 
 
 @dataclass

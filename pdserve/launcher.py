@@ -104,6 +104,8 @@ def run_cluster(args: argparse.Namespace) -> int:
                                    ("decode", args.decode, DECODE_FLAGS)):
             for _ in range(count):
                 extra = forward_flags(args, ENGINE_FLAGS + flags)
+                if args.disable_cuda_graph:
+                    extra.append("--disable-cuda-graph")
                 workers.append(_start(role, host, free_port(host), metrics, extra, args.log_level))
         children.extend(workers)
         for child in workers:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,25 +14,34 @@ if TYPE_CHECKING:
 # name -> "module:class"
 BACKENDS: dict[str, str] = {
     "torch": "pdserve.attention.torch_native:TorchNativeBackend",
+    "fa": "pdserve.attention.fa:FlashAttentionBackend",
+    "fi": "pdserve.attention.fi:FlashInferBackend",
+}
+# What the kernels take (checked before choosing them automatically).
+KERNEL_LIMITS = {
+    "fa": ((64, 96, 128, 192, 256), (torch.float16, torch.bfloat16), "sgl_kernel.flash_attn"),
+    "fi": ((64, 128, 256), (torch.float16, torch.bfloat16), "flashinfer"),
 }
 
 
-def resolve_backend(name: str, role: str, device: torch.device) -> tuple[str, str]:
-    """The backend to use and why: ``name`` if given, else the choice for this role and device."""
+def resolve_backend(name: str, role: str, device: torch.device, dtype: torch.dtype,
+                    head_dim: int) -> tuple[str, str]:
+    """The backend to use and why: ``name`` if given, else the choice for this role and device:
+    prefill on SM90 -> fa, prefill on other CUDA GPUs -> fi, decode on CUDA -> fi, else torch."""
     if name != "auto":
         if name not in BACKENDS:
             raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(BACKENDS)}")
         return name, "chosen by flag"
     if device.type != "cuda":
         return "torch", "no CUDA device"
-    if role == "prefill":
-        major, _ = torch.cuda.get_device_capability(device)
-        preferred = "fa" if major == 9 else "fi"
-    else:
-        preferred = "fi"
-    if preferred in BACKENDS:
-        return preferred, f"{role} on {torch.cuda.get_device_name(device)}"
-    return "torch", f"{preferred!r} is not available in this build"
+    major, _ = torch.cuda.get_device_capability(device)
+    preferred = "fa" if role == "prefill" and major == 9 else "fi"
+    head_dims, dtypes, module = KERNEL_LIMITS[preferred]
+    if head_dim not in head_dims or dtype not in dtypes:
+        return "torch", f"{preferred} needs head_dim in {head_dims} and fp16/bf16"
+    if importlib.util.find_spec(module.split(".")[0]) is None:
+        return "torch", f"{module} is not installed (pip install 'pdserve[gpu]')"
+    return preferred, f"{role} on {torch.cuda.get_device_name(device)}"
 
 
 def create_backend(name: str, pool: KVPool, num_heads: int, head_dim: int) -> AttentionBackend:

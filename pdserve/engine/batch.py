@@ -34,6 +34,10 @@ class ForwardBatch:
     max_seqlen_q: int
     max_seqlen_kv: int
     page_size: int
+    # Host copies, for backends that plan on the CPU (FlashInfer) without a device sync.
+    cu_seqlens_q_cpu: torch.Tensor | None = None
+    seq_lens_kv_cpu: torch.Tensor | None = None
+    page_table_cpu: torch.Tensor | None = None
     attn_metadata: Any = field(default=None)
 
     @property
@@ -58,17 +62,22 @@ class ForwardBatch:
         for row, s in enumerate(seqs):
             page_table[row, :len(s.page_ids)] = torch.tensor(s.page_ids, dtype=torch.int32)
         out_slots = page_table[seq_ids, positions // page_size].long() * page_size + positions % page_size
+        seq_lens_kv = torch.tensor(lens_kv, dtype=torch.int32)
+        cu_seqlens_q = cu.to(torch.int32)
         return cls(
             is_decode=all(n == 1 for n in lens_q) and any(s.start_pos > 0 for s in seqs),
             input_ids=input_ids.to(device),
             positions=positions.to(device),
             seq_ids=seq_ids.to(device),
-            cu_seqlens_q=cu.to(torch.int32).to(device),
-            seq_lens_kv=torch.tensor(lens_kv, dtype=torch.int32).to(device),
+            cu_seqlens_q=cu_seqlens_q.to(device),
+            seq_lens_kv=seq_lens_kv.to(device),
             page_table=page_table.to(device),
             out_slots=out_slots.to(device),
             logits_indices=(cu[1:] - 1).to(device),
             max_seqlen_q=max(lens_q),
             max_seqlen_kv=max(lens_kv),
             page_size=page_size,
+            cu_seqlens_q_cpu=cu_seqlens_q,
+            seq_lens_kv_cpu=seq_lens_kv,
+            page_table_cpu=page_table,
         )

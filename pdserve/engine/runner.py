@@ -6,8 +6,10 @@ import logging
 import torch
 
 from pdserve.attention import create_backend, resolve_backend
+from pdserve.attention.base import AttentionBackend
 from pdserve.config import EngineConfig
 from pdserve.engine.batch import ForwardBatch, SeqInput
+from pdserve.engine.cuda_graph import CudaGraphRunner
 from pdserve.engine.sampling import SampleRow, sample
 from pdserve.kvcache.pool import KVLayout, KVPool
 from pdserve.models.loader import load_model
@@ -37,12 +39,27 @@ class ModelRunner:
             num_kv_heads=self.model_config.num_kv_heads, head_dim=self.model_config.head_dim)
         num_pages = config.num_pages or self._pages_for_budget(config.kv_cache_gb, dtype)
         self.pool = KVPool(self.layout, num_pages, dtype, self.device)
-        self.backend_name, reason = resolve_backend(config.attention_backend, role, self.device)
+        self.backend_name, reason = resolve_backend(config.attention_backend, role, self.device,
+                                                    dtype, self.model_config.head_dim)
         self.attn = create_backend(self.backend_name, self.pool, self.model_config.num_heads,
                                    self.model_config.head_dim)
-        log.info("%s: model %s (%s) on %s; attention backend %r (%s); %d KV pages of %d tokens",
-                 role, self.model_config.name, self.layout.dtype, self.device, self.backend_name,
-                 reason, num_pages, config.page_size)
+        log.info("%s: model %s (%s) on %s; attention backend %r (%s); layer kernels %s; "
+                 "%d KV pages of %d tokens", role, self.model_config.name, self.layout.dtype,
+                 self.device, self.backend_name, reason, self.model.ops.name, num_pages,
+                 config.page_size)
+        self.graphs: CudaGraphRunner | None = None
+        self.last_step_mode = "eager"
+        if (role == "decode" and self.device.type == "cuda" and config.cuda_graph
+                and self._backend_supports_graphs()):
+            self.graphs = CudaGraphRunner(self.model, self.attn, self.pool,
+                                          config.cuda_graph_max_bs, self.model_config.max_model_len)
+
+    def _backend_supports_graphs(self) -> bool:
+        supported = type(self.attn).init_capture_graph is not AttentionBackend.init_capture_graph
+        if not supported:
+            log.info("attention backend %r has no CUDA graph support: decoding eagerly",
+                     self.backend_name)
+        return supported
 
     def _pages_for_budget(self, kv_cache_gb: float, dtype: torch.dtype) -> int:
         cfg = self.model_config
@@ -53,6 +70,10 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, seqs: list[SeqInput]) -> torch.Tensor:
         """Runs one step; returns float32 logits of each sequence's last new token."""
+        if self.graphs is not None and self.graphs.can_run(seqs):
+            self.last_step_mode = "cuda_graph"
+            return self.graphs.replay(seqs)
+        self.last_step_mode = "eager"
         batch = ForwardBatch.build(seqs, self.pool.page_size, self.device)
         self.attn.prepare_metadata(batch)
         return self.model(batch, self.attn)

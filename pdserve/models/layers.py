@@ -1,4 +1,5 @@
-"""Building blocks of a Llama-family layer in plain PyTorch (the portable path)."""
+"""Building blocks of a Llama-family layer that hold parameters or tables; the arithmetic is in
+ops.py (PyTorch or CUDA kernels)."""
 from __future__ import annotations
 
 import math
@@ -10,16 +11,12 @@ from pdserve.models.config import RopeScaling
 
 
 class RMSNorm(nn.Module):
+    """Holds the weight and epsilon; ``ops.rmsnorm`` / ``ops.add_rmsnorm`` apply them."""
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 and cast back before the weight, as the reference implementation does.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -39,21 +36,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     return torch.where(is_medium, blended, scaled)
 
 
-class RotaryEmbedding:
-    """Neox-style rotary embedding (rotate halves) with a precomputed cos/sin table."""
-
-    def __init__(self, head_dim: int, max_positions: int, theta: float,
-                 scaling: RopeScaling | None, device: torch.device) -> None:
-        inv_freq = rope_inv_freq(head_dim, theta, scaling).to(device)
-        freqs = torch.outer(torch.arange(max_positions, device=device, dtype=torch.float32), inv_freq)
-        self.cos = freqs.cos()
-        self.sin = freqs.sin()
-
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [num_tokens, num_heads, head_dim]; positions: [num_tokens]."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        x32 = x.float()
-        x1, x2 = x32.chunk(2, dim=-1)
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return out.to(x.dtype)
+def rope_cos_sin(head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None,
+                 device: torch.device) -> torch.Tensor:
+    """[max_positions, head_dim] float32: cos of each position's angles, then their sin."""
+    inv_freq = rope_inv_freq(head_dim, theta, scaling).to(device)
+    freqs = torch.outer(torch.arange(max_positions, device=device, dtype=torch.float32), inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)

@@ -1,10 +1,12 @@
 """Llama 2/3, Qwen2/2.5 and Qwen3 decoders over a paged KV cache.
 
 Parameter names follow Hugging Face checkpoints except that q/k/v and gate/up projections are
-fused (``qkv_proj``, ``gate_up_proj``); the loader concatenates them.
+fused (``qkv_proj``, ``gate_up_proj``); the loader concatenates them. The residual stream runs
+beside the hidden states so that CUDA kernels can fuse each residual add into the next RMSNorm.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -12,11 +14,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.models.config import ModelConfig
-from pdserve.models.layers import RMSNorm, RotaryEmbedding
+from pdserve.models.layers import RMSNorm, rope_cos_sin
+from pdserve.models.ops import TorchOps
 
 if TYPE_CHECKING:
     from pdserve.attention.base import AttentionBackend
     from pdserve.engine.batch import ForwardBatch
+
+
+@dataclass
+class ForwardContext:
+    """What every layer of one forward needs besides its input."""
+
+    batch: ForwardBatch
+    attn: AttentionBackend
+    ops: TorchOps
+    cos_sin: torch.Tensor
 
 
 class Attention(nn.Module):
@@ -31,19 +44,17 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, attn: AttentionBackend,
-                batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         cfg = self.config
         q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = rope.apply(q, batch.positions)
-        k = rope.apply(k, batch.positions)
-        out = attn.forward(q, k, v, self.layer_id, batch)
+            q = ctx.ops.rmsnorm(q, self.q_norm.weight, self.q_norm.eps)
+            k = ctx.ops.rmsnorm(k, self.k_norm.weight, self.k_norm.eps)
+        q, k = ctx.ops.rope(ctx.batch.positions, q, k, ctx.cos_sin)
+        out = ctx.attn.forward(q, k, v, self.layer_id, ctx.batch)
         return self.o_proj(out.reshape(-1, cfg.q_size))
 
 
@@ -55,9 +66,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size,
                                    bias=config.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.down_proj(ctx.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -68,14 +78,21 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, attn: AttentionBackend,
-                batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, attn, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
+        if residual is None:
+            residual = x
+            h = ctx.ops.rmsnorm(x, norm_in.weight, norm_in.eps)
+        else:
+            h, residual = ctx.ops.add_rmsnorm(x, residual, norm_in.weight, norm_in.eps)
+        h = self.self_attn(h, ctx)
+        h, residual = ctx.ops.add_rmsnorm(h, residual, norm_post.weight, norm_post.eps)
+        return self.mlp(h, ctx), residual
 
 
 class CausalLM(nn.Module):
-    """The whole decoder: token ids in, hidden states out; logits for the rows asked."""
+    """The whole decoder: token ids in, logits of each sequence's last new token out."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -85,19 +102,25 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.rope: RotaryEmbedding | None = None
+        self.cos_sin: torch.Tensor | None = None
+        self.ops: TorchOps = TorchOps()
 
-    def init_rope(self, device: torch.device) -> None:
+    def prepare(self, device: torch.device, ops: TorchOps) -> None:
+        """Builds the RoPE table on ``device`` and picks the elementwise kernels."""
         cfg = self.config
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_model_len, cfg.rope_theta,
+        self.cos_sin = rope_cos_sin(cfg.head_dim, cfg.max_model_len, cfg.rope_theta,
                                     cfg.rope_scaling, device)
+        self.ops = ops
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
-        """Logits (float32) of the last new token of every sequence in the batch."""
-        assert self.rope is not None, "init_rope() first"
+        """Float32 logits [batch, vocab]."""
+        assert self.cos_sin is not None, "prepare() first"
+        ctx = ForwardContext(batch, attn, self.ops, self.cos_sin)
         x = self.embed_tokens(batch.input_ids)
+        residual = None
         for layer in self.layers:
-            x = layer(x, self.rope, attn, batch)
-        x = self.norm(x[batch.logits_indices])
+            x, residual = layer(x, residual, ctx)
+        rows = batch.logits_indices
+        x, _ = self.ops.add_rmsnorm(x[rows], residual[rows], self.norm.weight, self.norm.eps)
         weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         return F.linear(x, weight).float()

@@ -9,6 +9,7 @@ import torch
 
 from pdserve.models.config import ModelConfig, load_hf_config
 from pdserve.models.llama import CausalLM
+from pdserve.models.ops import TorchOps, select_ops
 from pdserve.models.presets import PRESETS
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -32,8 +33,10 @@ def resolve_dtype(requested: str, config: ModelConfig) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_model(model: str, dtype: str, device: torch.device, seed: int = 0) -> CausalLM:
-    """The model in ``dtype`` ("auto": the checkpoint's) on ``device``, ready for inference."""
+def load_model(model: str, dtype: str, device: torch.device, seed: int = 0,
+               kernels: bool = True) -> CausalLM:
+    """The model in ``dtype`` ("auto": the checkpoint's) on ``device``, ready for inference;
+    with ``kernels``, its elementwise ops run as CUDA kernels where the device allows."""
     config = model_config(model)
     torch_dtype = resolve_dtype(dtype, config)
     with torch.device("meta"):
@@ -43,7 +46,7 @@ def load_model(model: str, dtype: str, device: torch.device, seed: int = 0) -> C
         _load_safetensors(net, Path(model))
     else:
         _init_random(net, seed)
-    net.init_rope(device)
+    net.prepare(device, select_ops(device, torch_dtype) if kernels else TorchOps())
     return net.eval().requires_grad_(False)
 
 
@@ -100,18 +103,26 @@ def _load_safetensors(net: CausalLM, model_dir: Path) -> None:
         raise ValueError(f"{model_dir}: checkpoint lacks {', '.join(sorted(missing)[:5])}")
 
 
+# Presets up to this many parameters are drawn on the CPU, so every device gets the same weights;
+# bigger ones (benchmark shapes) are drawn on their device, which is much faster.
+CPU_INIT_MAX_PARAMS = 200_000_000
+
+
 @torch.no_grad()
 def _init_random(net: CausalLM, seed: int) -> None:
-    # Drawn on the CPU in a fixed order so every process (and every device) gets the same weights.
+    # A fixed order and seed: every process with the same preset gets the same weights.
     # Scales keep activations and logits O(1), so greedy choices are far from ties.
-    gen = torch.Generator().manual_seed(seed)
+    device = net.embed_tokens.weight.device
+    numel = sum(p.numel() for p in net.parameters())
+    draw_on = torch.device("cpu") if numel <= CPU_INIT_MAX_PARAMS else device
+    gen = torch.Generator(draw_on).manual_seed(seed)
     for name, param in sorted(net.named_parameters()):
         if "norm" in name:
-            values = torch.ones(param.shape)
-        elif name.endswith("bias"):
-            values = torch.randn(param.shape, generator=gen) * 0.1
-        elif name == "embed_tokens.weight":
-            values = torch.randn(param.shape, generator=gen)
-        else:
-            values = torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[1])
+            param.fill_(1.0)
+            continue
+        values = torch.randn(param.shape, generator=gen, device=draw_on)
+        if name.endswith("bias"):
+            values *= 0.1
+        elif name != "embed_tokens.weight":
+            values /= math.sqrt(param.shape[1])
         param.copy_(values)

@@ -1,0 +1,95 @@
+"""`fi`: FlashInfer over the paged pool (NHD); the decode backend, and prefill off Hopper.
+
+Decode uses BatchDecodeWithPagedKVCacheWrapper (tensor cores when a KV head serves 4+ query
+heads), prefill BatchPrefillWithPagedKVCacheWrapper. ``plan()`` runs once per step on host-side
+metadata; ``run()`` once per layer. For CUDA graphs each captured batch size has its own decode
+wrapper with fixed device buffers, re-planned before every replay.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pdserve.attention.base import AttentionBackend
+from pdserve.engine.batch import ForwardBatch
+from pdserve.kvcache.pool import KVPool
+
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+WORKSPACE_BYTES = 128 << 20
+
+
+class FlashInferBackend(AttentionBackend):
+    name = "fi"
+
+    def __init__(self, pool: KVPool, num_heads: int, head_dim: int) -> None:
+        super().__init__(pool, num_heads, head_dim)
+        import flashinfer
+
+        self._fi = flashinfer
+        device = pool.tensor.device
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.use_tensor_cores = num_heads // pool.layout.num_kv_heads >= 4
+        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores)
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.graph_wrappers: dict[int, Any] = {}
+
+    def _paged_kv(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(indptr, page indices, last page lengths) on the host, as plan() takes them."""
+        page_size = batch.page_size
+        lens = batch.seq_lens_kv_cpu
+        pages = (lens + page_size - 1) // page_size
+        table = batch.page_table_cpu
+        used = torch.arange(table.shape[1])[None, :] < pages[:, None]
+        indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
+        torch.cumsum(pages, 0, out=indptr[1:])
+        last = lens - (pages - 1) * page_size
+        return indptr, table[used].to(torch.int32), last.to(torch.int32)
+
+    def _plan_decode(self, wrapper: Any, batch: ForwardBatch) -> None:
+        indptr, indices, last = self._paged_kv(batch)
+        dtype = self.pool.tensor.dtype
+        wrapper.plan(indptr, indices, last, self.num_heads, self.pool.layout.num_kv_heads,
+                     self.head_dim, batch.page_size, q_data_type=dtype, kv_data_type=dtype,
+                     sm_scale=self.scale)
+
+    def prepare_metadata(self, batch: ForwardBatch) -> None:
+        if batch.is_decode:
+            self._plan_decode(self.decode_wrapper, batch)
+            batch.attn_metadata = self.decode_wrapper
+            return
+        indptr, indices, last = self._paged_kv(batch)
+        dtype = self.pool.tensor.dtype
+        self.prefill_wrapper.plan(batch.cu_seqlens_q_cpu, indptr, indices, last, self.num_heads,
+                                  self.pool.layout.num_kv_heads, self.head_dim, batch.page_size,
+                                  causal=True, sm_scale=self.scale, q_data_type=dtype,
+                                  kv_data_type=dtype)
+        batch.attn_metadata = self.prefill_wrapper
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                batch: ForwardBatch) -> torch.Tensor:
+        self.store_kv(k, v, layer_id, batch)
+        kv = (self.pool.k_cache(layer_id), self.pool.v_cache(layer_id))
+        return batch.attn_metadata.run(q.contiguous(), kv)
+
+    # CUDA graphs (decode only)
+    def init_capture_graph(self, max_seq_len: int, bs_list: list[int]) -> None:
+        device = self.pool.tensor.device
+        for bs in bs_list:
+            # A step never references more pages than the pool has, plus one per padding row.
+            max_pages = min(bs * -(-max_seq_len // self.pool.page_size), self.pool.num_pages + bs)
+            self.graph_wrappers[bs] = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
+                paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=device),
+                paged_kv_indices_buffer=torch.zeros(max_pages, dtype=torch.int32, device=device),
+                paged_kv_last_page_len_buffer=torch.zeros(bs, dtype=torch.int32, device=device))
+
+    def prepare_for_capture(self, batch: ForwardBatch) -> None:
+        self.prepare_for_replay(batch)
+
+    def prepare_for_replay(self, batch: ForwardBatch) -> None:
+        wrapper = self.graph_wrappers[batch.batch_size]
+        self._plan_decode(wrapper, batch)
+        batch.attn_metadata = wrapper

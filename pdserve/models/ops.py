@@ -1,0 +1,82 @@
+"""The elementwise parts of a layer (RMSNorm, fused add+RMSNorm, SiLU-and-mul, RoPE), as plain
+PyTorch or as the field's CUDA kernels (sgl_kernel). Chosen once per model; the CPU path never
+imports a GPU library."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class TorchOps:
+    """Reference implementations: float32 normalisation, as the checkpoints' own code does."""
+
+    name = "torch"
+
+    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x32.to(x.dtype)
+
+    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rmsnorm(x + residual), x + residual)."""
+        residual = x + residual
+        return self.rmsnorm(residual, weight, eps), residual
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+             cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Neox-style rotary embedding; q: [tokens, heads, dim], cos_sin: [positions, dim]."""
+        cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+
+        def rotate(x: torch.Tensor) -> torch.Tensor:
+            x1, x2 = x.float().chunk(2, dim=-1)
+            return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+        return rotate(q), rotate(k)
+
+
+class CudaOps(TorchOps):
+    """sgl_kernel's fused kernels (bf16/fp16 on CUDA)."""
+
+    name = "sgl_kernel"
+
+    def __init__(self) -> None:
+        import sgl_kernel
+
+        self._k = sgl_kernel
+
+    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        shape = x.shape
+        return self._k.rmsnorm(x.reshape(-1, shape[-1]).contiguous(), weight, eps).view(shape)
+
+    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        # In place: residual += x; x = rmsnorm(residual).
+        self._k.fused_add_rmsnorm(x, residual, weight, eps)
+        return x, residual
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self._k.silu_and_mul(x)
+
+    def rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+             cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # The kernel rotates in place and wants contiguous [tokens, heads * dim] rows.
+        q, k = q.contiguous(), k.contiguous()
+        head_dim = q.shape[-1]
+        self._k.rotary_embedding(positions, q.view(q.shape[0], -1), k.view(k.shape[0], -1),
+                                 head_dim, cos_sin, True)
+        return q, k
+
+
+def select_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
+    """CUDA kernels for half precision on CUDA when sgl_kernel is installed, else PyTorch."""
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        try:
+            return CudaOps()
+        except ImportError:
+            pass
+    return TorchOps()
