@@ -14,6 +14,13 @@ PRESETS: dict[str, ModelConfig] = {
         intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
         max_model_len=2048, rms_norm_eps=1e-6, rope_theta=10000.0, qk_norm=True,
         dtype="float32", bos_token_id=ByteTokenizer.BOS_ID, eos_token_ids=(ByteTokenizer.EOS_ID,)),
+    # tiny's byte vocabulary with GPU-kernel-friendly heads (head_dim 128, 4 query heads per KV
+    # head): for GPU tests and demos.
+    "small": ModelConfig(
+        name="small", family="qwen3", vocab_size=ByteTokenizer.VOCAB_SIZE, hidden_size=512,
+        intermediate_size=1024, num_layers=4, num_heads=8, num_kv_heads=2, head_dim=128,
+        max_model_len=4096, rms_norm_eps=1e-6, rope_theta=1000000.0, qk_norm=True,
+        dtype="bfloat16", bos_token_id=ByteTokenizer.BOS_ID, eos_token_ids=(ByteTokenizer.EOS_ID,)),
     "qwen3-0.6b": ModelConfig(
         name="qwen3-0.6b", family="qwen3", vocab_size=151936, hidden_size=1024,
         intermediate_size=3072, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,

@@ -1,0 +1,49 @@
+"""Shared by the benchmark scripts: timing on the GPU, device limits, writing results."""
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+
+def cuda_time_ms(fn: Callable[[], Any], iters: int = 20, warmup: int = 3) -> float:
+    """Mean milliseconds of ``fn`` over ``iters`` runs, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def copy_bandwidth_bytes_per_s(size_bytes: int = 4 << 30) -> float:
+    """Device-to-device copy, counting bytes read and written."""
+    src = torch.empty(size_bytes // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = cuda_time_ms(lambda: dst.copy_(src), iters=10)
+    return 2 * src.numel() / (ms / 1e3)
+
+
+def matmul_flops_per_s(n: int = 8192) -> float:
+    """Dense bf16 peak as a plain matmul reaches it."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = cuda_time_ms(lambda: a @ b, iters=10)
+    return 2 * n ** 3 / (ms / 1e3)
+
+
+def write_results(path: str, name: str, results: dict[str, Any]) -> None:
+    payload = {"benchmark": name, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+               "torch": torch.__version__, "python": platform.python_version(), **results}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(payload, indent=1))
+    print(f"wrote {path}")

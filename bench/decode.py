@@ -1,0 +1,82 @@
+"""Decode step time, tokens/s and model bandwidth utilisation, CUDA graph vs eager.
+
+    python bench/decode.py --model llama3-8b --batch-sizes 1,8,32,64,128,256 --context 1024
+
+Each sequence holds ``--context`` tokens of KV; a step feeds one token per sequence. MBU is
+(weight bytes + KV bytes read) / step time, against the measured device copy bandwidth.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import copy_bandwidth_bytes_per_s, cuda_time_ms, write_results  # noqa: E402
+
+from pdserve.config import EngineConfig  # noqa: E402
+from pdserve.engine.batch import SeqInput  # noqa: E402
+from pdserve.engine.runner import ModelRunner  # noqa: E402
+from pdserve.engine.sampling import SampleRow, SamplingParams, sample  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama3-8b")
+    parser.add_argument("--batch-sizes", default="1,8,32,64,128,256")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--out", default="bench/results/decode.json")
+    args = parser.parse_args()
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    pages_per_seq = -(-(args.context + 1) // args.page_size)
+    runner = ModelRunner(EngineConfig(model=args.model, page_size=args.page_size,
+                                      num_pages=max(sizes) * pages_per_seq + 64,
+                                      cuda_graph_max_bs=max(sizes)), "decode")
+    cfg = runner.model_config
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    if cfg.tie_word_embeddings:  # the embedding table is read as the LM head too
+        weight_bytes += runner.model.embed_tokens.weight.numel() * 2
+    kv_bytes_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    bandwidth = copy_bandwidth_bytes_per_s()
+    pages = runner.pool.allocator.alloc(max(sizes) * pages_per_seq)
+    rows = []
+    for bs in sizes:
+        seqs = [SeqInput([7], args.context, pages[i * pages_per_seq:(i + 1) * pages_per_seq])
+                for i in range(bs)]
+        params = [SampleRow(SamplingParams(), 1) for _ in range(bs)]
+        result = {"batch_size": bs}
+        for mode in ("cuda_graph", "eager"):
+            graphs = runner.graphs
+            if mode == "eager":
+                runner.graphs = None
+            try:
+                ms = cuda_time_ms(lambda: sample(runner.forward(seqs), params), iters=args.iters)
+            finally:
+                runner.graphs = graphs
+            step_bytes = weight_bytes + bs * (args.context + 1) * kv_bytes_per_token
+            result[mode] = {"step_ms": round(ms, 4), "tokens_per_s": round(bs / ms * 1e3, 1),
+                            "mbu": round(step_bytes / (ms / 1e3) / bandwidth, 4)}
+        result["graph_speedup"] = round(result["eager"]["step_ms"] / result["cuda_graph"]["step_ms"], 2)
+        rows.append(result)
+        print(f"bs {bs:4d}: graph {result['cuda_graph']['step_ms']:8.3f} ms "
+              f"({result['cuda_graph']['tokens_per_s']:9.1f} tok/s, MBU {result['cuda_graph']['mbu']:.2f})"
+              f" | eager {result['eager']['step_ms']:8.3f} ms | x{result['graph_speedup']}")
+    floor_ms = weight_bytes / bandwidth * 1e3
+    write_results(args.out, "decode", {
+        "model": args.model, "context": args.context, "page_size": args.page_size,
+        "attention_backend": runner.backend_name, "layer_kernels": runner.model.ops.name,
+        "weight_bytes": weight_bytes, "copy_bandwidth_bytes_per_s": bandwidth,
+        "bandwidth_floor_bs1_ms": round(floor_ms + kv_bytes_per_token * (args.context + 1)
+                                        / bandwidth * 1e3, 4),
+        "results": rows})
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    main()

@@ -1,0 +1,68 @@
+"""Prefill throughput and model FLOP utilisation for several batch shapes.
+
+    python bench/prefill.py --model llama3-8b --shapes 1x8192,8x1024,32x256
+
+FLOPs per step: 2 x (non-embedding parameters + LM head) per token for the matmuls, plus causal
+attention (2 x 2 x layers x heads x head_dim x len^2 / 2 per sequence); MFU is against a plain
+bf16 matmul's rate on the same GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import cuda_time_ms, matmul_flops_per_s, write_results  # noqa: E402
+
+from pdserve.config import EngineConfig  # noqa: E402
+from pdserve.engine.batch import SeqInput  # noqa: E402
+from pdserve.engine.runner import ModelRunner  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama3-8b")
+    parser.add_argument("--shapes", default="1x8192,8x1024,32x256")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--out", default="bench/results/prefill.json")
+    args = parser.parse_args()
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    max_tokens = max(b * n for b, n in shapes)
+    runner = ModelRunner(EngineConfig(model=args.model, page_size=args.page_size,
+                                      num_pages=max_tokens // args.page_size + 4 * len(shapes) + 64,
+                                      attention_backend=args.attention_backend), "prefill")
+    cfg = runner.model_config
+    matmul_params = sum(p.numel() for n, p in runner.model.named_parameters()
+                        if n != "embed_tokens.weight") + cfg.vocab_size * cfg.hidden_size
+    peak = matmul_flops_per_s()
+    rows = []
+    for batch, length in shapes:
+        pages = [runner.pool.allocator.alloc(-(-length // args.page_size)) for _ in range(batch)]
+        seqs = [SeqInput([(i * 31 + j) % cfg.vocab_size for j in range(length)], 0, pages[i])
+                for i in range(batch)]
+        ms = cuda_time_ms(lambda: runner.forward(seqs), iters=args.iters, warmup=2)
+        tokens = batch * length
+        flops = 2 * matmul_params * tokens + batch * 2 * cfg.num_layers * cfg.num_heads * \
+            cfg.head_dim * length * length  # QK^T and PV, causal halves
+        row = {"shape": f"{batch}x{length}", "step_ms": round(ms, 3),
+               "tokens_per_s": round(tokens / ms * 1e3, 1),
+               "mfu": round(flops / (ms / 1e3) / peak, 4)}
+        rows.append(row)
+        print(f"{row['shape']:>8}: {ms:9.2f} ms  {row['tokens_per_s']:10.1f} tok/s  MFU {row['mfu']:.2f}")
+        for p in pages:
+            runner.pool.allocator.free(p)
+    write_results(args.out, "prefill", {
+        "model": args.model, "attention_backend": runner.backend_name,
+        "layer_kernels": runner.model.ops.name, "matmul_peak_flops_per_s": peak, "results": rows})
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    main()

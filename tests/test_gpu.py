@@ -1,0 +1,156 @@
+"""GPU backends and CUDA graphs against the portable path (run on the GPU machine)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import generate, start_cluster, stop_cluster
+
+from pdserve.attention import create_backend, resolve_backend
+from pdserve.config import EngineConfig
+from pdserve.engine import local
+from pdserve.engine.batch import ForwardBatch, SeqInput
+from pdserve.engine.runner import ModelRunner
+from pdserve.engine.sampling import SamplingParams
+from pdserve.kvcache.pool import KVLayout, KVPool
+from protos.pdserve.v1 import generate_pb2
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+HEADS, KV_HEADS, HEAD_DIM = 8, 2, 128
+
+
+def _pool(page_size: int, seed: int) -> KVPool:
+    layout = KVLayout("m", "bfloat16", page_size, 1, KV_HEADS, HEAD_DIM)
+    pool = KVPool(layout, num_pages=4096 // page_size + 64, dtype=torch.bfloat16, device=CUDA)
+    pool.tensor.copy_(torch.randn(pool.tensor.shape, generator=torch.Generator().manual_seed(seed)))
+    return pool
+
+
+def _seqs(pool: KVPool, shapes: list[tuple[int, int]]) -> list[SeqInput]:
+    """Sequences with ``cached`` tokens already in the pool and ``new`` tokens this step."""
+    rng = random.Random(0)
+    seqs = []
+    for cached, new in shapes:
+        pages = pool.allocator.alloc(pool.pages_for(cached + new))
+        rng.shuffle(pages)
+        seqs.append(SeqInput([rng.randrange(100) for _ in range(new)], cached, pages))
+    return seqs
+
+
+PREFILL_SHAPES = [(0, 37), (16, 20), (50, 1), (3, 64), (0, 1), (100, 300), (0, 513)]
+DECODE_SHAPES = [(1, 1), (15, 1), (16, 1), (17, 1), (300, 1), (1023, 1)]
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("backend, shapes", [("fa", PREFILL_SHAPES), ("fa", DECODE_SHAPES),
+                                             ("fi", PREFILL_SHAPES), ("fi", DECODE_SHAPES)],
+                         ids=["fa-prefill", "fa-decode", "fi-prefill", "fi-decode"])
+def test_kernel_backends_match_torch_backend(backend, shapes, page_size):
+    outputs = {}
+    for name in (backend, "torch"):
+        pool = _pool(page_size, seed=1)
+        seqs = _seqs(pool, shapes)
+        batch = ForwardBatch.build(seqs, page_size, CUDA)
+        gen = torch.Generator(device=CUDA).manual_seed(2)
+        n = batch.input_ids.shape[0]
+        q = torch.randn(n, HEADS, HEAD_DIM, device=CUDA, generator=gen).bfloat16()
+        k = torch.randn(n, KV_HEADS, HEAD_DIM, device=CUDA, generator=gen).bfloat16()
+        v = torch.randn(n, KV_HEADS, HEAD_DIM, device=CUDA, generator=gen).bfloat16()
+        attn = create_backend(name, pool, HEADS, HEAD_DIM)
+        attn.prepare_metadata(batch)
+        outputs[name] = (attn.forward(q, k, v, 0, batch).float(), pool.tensor.clone())
+    torch.testing.assert_close(outputs[backend][0], outputs["torch"][0], atol=2e-2, rtol=2e-2)
+    assert torch.equal(outputs[backend][1], outputs["torch"][1])  # the same KV was stored
+
+
+def test_auto_choice_on_this_gpu():
+    major, _ = torch.cuda.get_device_capability()
+    prefill = resolve_backend("auto", "prefill", CUDA, torch.bfloat16, 128)[0]
+    assert prefill == ("fa" if major == 9 else "fi")
+    assert resolve_backend("auto", "decode", CUDA, torch.bfloat16, 128)[0] == "fi"
+    assert resolve_backend("auto", "decode", CUDA, torch.float32, 128)[0] == "torch"
+    assert resolve_backend("auto", "prefill", CUDA, torch.bfloat16, 16)[0] == "torch"
+
+
+@pytest.fixture(scope="module")
+def small_decode_runner():
+    return ModelRunner(EngineConfig(model="small", page_size=16, num_pages=2048,
+                                    cuda_graph_max_bs=32), "decode")
+
+
+def test_cuda_graph_decode_step_matches_eager_step(small_decode_runner):
+    runner = small_decode_runner
+    assert runner.graphs is not None and runner.backend_name == "fi"
+    rng = random.Random(3)
+    seqs = []
+    for length in (5, 17, 64, 200, 333):  # prefill them eagerly first
+        prompt = [rng.randrange(256) for _ in range(length)]
+        pages = runner.pool.allocator.alloc(runner.pool.pages_for(length + 1))
+        runner.forward([SeqInput(prompt, 0, pages)])
+        seqs.append(SeqInput([rng.randrange(256)], length, pages))
+    graph_logits = runner.forward(seqs).clone()
+    assert runner.last_step_mode == "cuda_graph"
+    graphs, runner.graphs = runner.graphs, None
+    try:
+        eager_logits = runner.forward(seqs)
+    finally:
+        runner.graphs = graphs
+    torch.testing.assert_close(graph_logits, eager_logits, atol=2e-2, rtol=2e-2)
+    assert torch.equal(graph_logits.argmax(-1), eager_logits.argmax(-1))
+    for s in seqs:
+        runner.pool.allocator.free(s.page_ids)
+
+
+def _assert_same_or_near_tie(runner: ModelRunner, prompt: list[int], expected: list[int],
+                             got: list[int], tolerance: float) -> None:
+    """Greedy outputs must agree; where they first differ, the reference's two candidates must
+    have been within ``tolerance`` of each other (a bf16 rounding tie, not a bug)."""
+    if got == expected:
+        return
+    i = next(j for j, (a, b) in enumerate(zip(expected, got)) if a != b)
+    pages = runner.pool.allocator.alloc(runner.pool.pages_for(len(prompt) + i + 1))
+    try:
+        logits = runner.forward([SeqInput(prompt + expected[:i], 0, pages)])[0]
+    finally:
+        runner.pool.allocator.free(pages)
+    gap = (logits[expected[i]] - logits[got[i]]).abs().item()
+    assert gap < tolerance, f"token {i}: {expected[i]} vs {got[i]}, logit gap {gap}"
+
+
+def test_cluster_on_gpu_matches_torch_backend():
+    cluster = start_cluster(["--model", "small", "--page-size", "16", "--num-pages", "4096",
+                             "--cuda-graph-max-bs", "32"])
+    reference = ModelRunner(EngineConfig(model="small", page_size=16, num_pages=1024,
+                                         attention_backend="torch"), "prefill")
+    try:
+        assert cluster.worker_info("prefill").attention_backend in ("fa", "fi")
+        assert cluster.worker_info("decode").attention_backend == "fi"
+        rng = random.Random(5)
+        for length in (3, 40, 300, 1000):
+            prompt = [rng.randrange(256) for _ in range(length)]
+            got = generate(cluster.stub(), token_ids=generate_pb2.TokenIds(ids=prompt),
+                           sampling=generate_pb2.SamplingParams(max_new_tokens=24,
+                                                                ignore_eos=True))[0]
+            expected = local.generate(reference, prompt, SamplingParams(max_new_tokens=24))
+            _assert_same_or_near_tie(reference, prompt, expected, got, tolerance=0.25)
+    finally:
+        stop_cluster(cluster)
+
+
+def test_tiny_on_gpu_agrees_with_the_cpu_path():
+    cluster = start_cluster(["--device", "cuda"])
+    cpu = ModelRunner(EngineConfig(model="tiny", page_size=4, num_pages=1024, device="cpu"),
+                      "prefill")
+    try:
+        rng = random.Random(6)
+        for length in (5, 60, 200):
+            prompt = [rng.randrange(256) for _ in range(length)]
+            got = generate(cluster.stub(), token_ids=generate_pb2.TokenIds(ids=prompt),
+                           sampling=generate_pb2.SamplingParams(max_new_tokens=20,
+                                                                ignore_eos=True))[0]
+            expected = local.generate(cpu, prompt, SamplingParams(max_new_tokens=20))
+            _assert_same_or_near_tie(cpu, prompt, expected, got, tolerance=1e-3)
+    finally:
+        stop_cluster(cluster)
