@@ -40,10 +40,13 @@ class CudaGraphRunner:
         self.bs_list = capture_sizes(max_bs)
         self.max_bs = self.bs_list[-1]
         device = pool.tensor.device
-        self.input_ids = torch.zeros(self.max_bs, dtype=torch.long, device=device)
-        self.positions = torch.zeros(self.max_bs, dtype=torch.long, device=device)
-        self.out_slots = torch.zeros(self.max_bs, dtype=torch.long, device=device)
         self.logits_indices = torch.arange(self.max_bs, dtype=torch.long, device=device)
+        # Page-locked staging rows, so the step's inputs go up with one asynchronous copy that
+        # does not wait for the previous step's kernels.
+        self.host_inputs = torch.zeros(3, self.max_bs, dtype=torch.long).pin_memory()
+        self.device_inputs = torch.zeros(3, self.max_bs, dtype=torch.long, device=device)
+        self.input_ids, self.positions, self.out_slots = self.device_inputs
+        self._inputs_copied = torch.cuda.Event()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         started = time.perf_counter()
@@ -75,9 +78,12 @@ class CudaGraphRunner:
         """The step's batch with its per-token inputs in the graph's fixed buffers."""
         host = ForwardBatch.build(seqs, self.pool.page_size, torch.device("cpu"))
         n = len(seqs)
-        self.input_ids[:n].copy_(host.input_ids, non_blocking=True)
-        self.positions[:n].copy_(host.positions, non_blocking=True)
-        self.out_slots[:n].copy_(host.out_slots, non_blocking=True)
+        self._inputs_copied.synchronize()  # the last step's upload has left the staging rows
+        self.host_inputs[0, :n] = host.input_ids
+        self.host_inputs[1, :n] = host.positions
+        self.host_inputs[2, :n] = host.out_slots
+        self.device_inputs[:, :n].copy_(self.host_inputs[:, :n], non_blocking=True)
+        self._inputs_copied.record()
         return dataclasses.replace(host, is_decode=True, input_ids=self.input_ids[:n],
                                    positions=self.positions[:n], out_slots=self.out_slots[:n],
                                    logits_indices=self.logits_indices[:n])

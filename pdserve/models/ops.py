@@ -48,6 +48,7 @@ class CudaOps(TorchOps):
         import sgl_kernel
 
         self._k = sgl_kernel
+        self._cos_sin: dict[torch.dtype, torch.Tensor] = {}
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         shape = x.shape
@@ -66,9 +67,10 @@ class CudaOps(TorchOps):
              cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # The kernel rotates in place and wants contiguous [tokens, heads * dim] rows.
         q, k = q.contiguous(), k.contiguous()
-        head_dim = q.shape[-1]
+        if q.dtype not in self._cos_sin:  # the kernel takes the table in the activations' dtype
+            self._cos_sin[q.dtype] = cos_sin.to(q.dtype)
         self._k.rotary_embedding(positions, q.view(q.shape[0], -1), k.view(k.shape[0], -1),
-                                 head_dim, cos_sin, True)
+                                 q.shape[-1], self._cos_sin[q.dtype], True)
         return q, k
 
 
