@@ -67,13 +67,19 @@ def apply_repetition_penalty(logits: torch.Tensor, rows: list[SampleRow]) -> tor
     if all(p == 1.0 for p in penalties):
         return logits
     device = logits.device
-    seen = torch.zeros_like(logits, dtype=torch.bool)
-    for i, row in enumerate(rows):  # once per sequence, not per token
-        if row.params.repetition_penalty != 1.0 and row.history:
-            seen[i, torch.tensor(row.history, dtype=torch.long, device=device)] = True
-    penalty = torch.tensor(penalties, dtype=logits.dtype, device=device)[:, None]
+    # Every row's history in one padded host tensor and one copy; the padding points at an
+    # extra column that is dropped again.
+    histories = [r.history or [] if r.params.repetition_penalty != 1.0 else [] for r in rows]
+    width = max(1, max(len(h) for h in histories))
+    vocab = logits.shape[-1]
+    padded = torch.full((len(rows), width), vocab, dtype=torch.long)
+    for i, history in enumerate(histories):  # host-side, once per sequence
+        padded[i, :len(history)] = torch.tensor(history, dtype=torch.long)
+    seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=device)
+    seen.scatter_(1, padded.to(device, non_blocking=True), True)
+    penalty = torch.tensor(penalties, dtype=logits.dtype).to(device, non_blocking=True)[:, None]
     penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
-    return torch.where(seen, penalised, logits)
+    return torch.where(seen[:, :vocab], penalised, logits)
 
 
 def _filter_probs(probs: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
