@@ -35,8 +35,6 @@ class Reservation:
     prompt_pages: int
     state: State = State.RESERVED
     lease: asyncio.TimerHandle | None = field(default=None, repr=False)
-    writes_in_flight: int = 0        # page writes running off the event loop
-    released: bool = False           # released while writes ran: their end frees the pages
 
 
 class ReservationTable:
@@ -118,22 +116,13 @@ class ReservationTable:
         return res
 
     # TransferSink
-    def begin_write(self, request_id: str, page_ids: list[int]) -> Reservation:
-        """Checks that ``page_ids`` may receive KV for the request; its pages stay allocated,
-        even if it is released meanwhile, until the matching end_write."""
+    def check_write(self, request_id: str, page_ids: list[int]) -> None:
         res = self.get(request_id)
         if res.state is not State.RESERVED:
             raise InvalidRequest(f"request {request_id!r} is {res.state.value}, not receiving KV")
         allowed = set(res.pages[:res.prompt_pages])
         if not allowed.issuperset(page_ids):
             raise InvalidRequest(f"pages outside request {request_id!r}'s reservation")
-        res.writes_in_flight += 1
-        return res
-
-    def end_write(self, res: Reservation) -> None:
-        res.writes_in_flight -= 1
-        if res.released and res.writes_in_flight == 0:
-            self._free(res)
 
     def commit(self, request_id: str, num_tokens: int) -> None:
         res = self.get(request_id)
@@ -159,14 +148,9 @@ class ReservationTable:
             return False
         if res.lease:
             res.lease.cancel()
-        res.released = True
-        if res.writes_in_flight == 0:
-            self._free(res)
-        return True
-
-    def _free(self, res: Reservation) -> None:
         self.pool.allocator.free(res.pages)
         self._wake_next()
+        return True
 
     def _expire(self, request_id: str, res: Reservation) -> None:
         if self._by_id.get(request_id) is res and res.state is not State.DECODING:

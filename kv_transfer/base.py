@@ -38,12 +38,9 @@ class KVTarget:
 class TransferSink(Protocol):
     """Decode's side of the bookkeeping: which pages a request may receive, and its commit."""
 
-    def begin_write(self, request_id: str, page_ids: list[int]) -> object:
-        """Raises unless ``page_ids`` are reserved for ``request_id`` and not yet committed;
-        keeps them allocated until ``end_write`` with the returned handle."""
+    def check_write(self, request_id: str, page_ids: list[int]) -> None:
+        """Raises unless ``page_ids`` are reserved for ``request_id`` and not yet committed."""
         ...
-
-    def end_write(self, handle: object) -> None: ...
 
     def commit(self, request_id: str, num_tokens: int) -> None: ...
 

@@ -4,7 +4,6 @@ Works between any two hosts; the CPU default. Pages travel in chunks of at most 
 """
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 
 import torch
@@ -40,10 +39,7 @@ class GrpcSender(TransferSender):
             nonlocal total, failure
             try:
                 for start in range(0, len(src_pages), step):
-                    # Off the event loop: a device-to-host copy waits for the GPU.
-                    data = await asyncio.to_thread(
-                        lambda pages: _to_bytes(self.pool.read_pages(pages)),
-                        src_pages[start:start + step])
+                    data = _to_bytes(self.pool.read_pages(src_pages[start:start + step]))
                     total += len(data)
                     yield kv_transfer_pb2.PageChunk(request_id=target.request_id,
                                                     page_ids=target.page_ids[start:start + step],
@@ -69,20 +65,13 @@ class GrpcReceiver:
     def metadata(self) -> bytes:
         return b""
 
-    async def write(self, chunk: kv_transfer_pb2.PageChunk) -> int:
+    def write(self, chunk: kv_transfer_pb2.PageChunk) -> int:
         page_ids = list(chunk.page_ids)
+        self.sink.check_write(chunk.request_id, page_ids)
+        shape = (self.pool.layout.num_layers, 2, len(page_ids), *self.pool.tensor.shape[3:])
         expected = len(page_ids) * self.pool.bytes_per_page
         if len(chunk.data) != expected:
             raise InvalidRequest(f"page chunk of {len(chunk.data)} bytes, expected {expected}")
-        handle = self.sink.begin_write(chunk.request_id, page_ids)
-        try:
-            # Off the event loop, which keeps serving decode streams meanwhile.
-            await asyncio.to_thread(self._copy_in, page_ids, chunk.data)
-        finally:
-            self.sink.end_write(handle)
-        return len(chunk.data)
-
-    def _copy_in(self, page_ids: list[int], data: bytes) -> None:
-        shape = (self.pool.layout.num_layers, 2, len(page_ids), *self.pool.tensor.shape[3:])
-        pages = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        pages = torch.frombuffer(bytearray(chunk.data), dtype=torch.uint8)
         self.pool.write_pages(page_ids, pages.view(self.pool.tensor.dtype).view(shape))
+        return len(chunk.data)

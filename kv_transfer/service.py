@@ -36,7 +36,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
                          ) -> kv_transfer_pb2.WritePagesResponse:
         written = 0
         async for chunk in request_iterator:
-            written += await self.receivers["grpc"].write(chunk)
+            written += self.receivers["grpc"].write(chunk)
         self._on_bytes(written)
         return kv_transfer_pb2.WritePagesResponse(bytes_written=written)
 
