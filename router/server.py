@@ -85,7 +85,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
             outcome = err.code.name.lower()
             await context.abort(err.code, str(err))
         except asyncio.CancelledError:
-            outcome = "deadline_exceeded" if (context.time_remaining() or 1) <= 0 else "cancelled"
+            remaining = context.time_remaining()
+            outcome = ("deadline_exceeded" if remaining is not None and remaining <= 0
+                       else "cancelled")
             raise
         finally:
             self.metrics.running.dec()
