@@ -70,7 +70,6 @@ class DecodeLoop:
         self._in_step: set[str] = set()
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="decode-step")
-        self.steps = 0
 
     @property
     def num_running(self) -> int:
@@ -138,7 +137,6 @@ class DecodeLoop:
                 tokens = None
             finally:
                 self._in_step = set()
-            self.steps += 1
             self.metrics.step_duration.observe(time.perf_counter() - step_started)
             self.metrics.batch_size.observe(len(batch))
             self.metrics.steps.labels(self.runner.last_step_mode).inc()
