@@ -9,6 +9,7 @@ import grpc
 
 from decode_service.reservations import ReservationTable
 from decode_service.scheduler import DecodeLoop, DecodeRequest
+from kv_transfer import create_receiver
 from kv_transfer.base import KVTarget
 from kv_transfer.service import KVTransferServicer
 from pdserve.config import DecodeConfig
@@ -30,8 +31,9 @@ FINISH_REASONS = {"length": generate_pb2.FINISH_REASON_LENGTH,
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     def __init__(self, runner: ModelRunner, table: ReservationTable, loop: DecodeLoop,
-                 address: str, worker: str) -> None:
+                 address: str, worker: str, engine: str) -> None:
         self.runner = runner
+        self.engine = engine
         self.table = table
         self.loop = loop
         self.address = address
@@ -44,7 +46,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             raise InvalidRequest("request_id is required")
         res = await self.table.reserve(request.request_id, request.prompt_len,
                                        request.max_new_tokens)
-        target = KVTarget("grpc", self.address, request.request_id, res.pages[:res.prompt_pages])
+        target = KVTarget(self.engine, self.address, request.request_id,
+                          res.pages[:res.prompt_pages])
         return decode_pb2.ReserveResponse(kv_target=target.to_proto())
 
     @map_errors
@@ -89,7 +92,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                             context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
         return worker_info(self.runner, "decode", self.worker, running=self.loop.num_running,
                            queued=self.loop.num_waiting + self.table.num_waiting,
-                           reservations=len(self.table), engines=["grpc"])
+                           reservations=len(self.table), engines=[self.engine])
 
 
 async def serve(config: DecodeConfig) -> None:
@@ -106,11 +109,19 @@ async def serve(config: DecodeConfig) -> None:
     if config.kv_transfer_port >= 0:
         transfer_server = Server(config.server.host, config.kv_transfer_port)
     servicer = DecodeServicer(runner, table, loop,
-                              advertised_address(config.server, transfer_server.port), worker)
+                              advertised_address(config.server, transfer_server.port), worker,
+                              config.kv_transfer)
+    transfer_servicer = KVTransferServicer(runner.pool, table, metrics.transfer_bytes.inc)
+    if config.kv_transfer not in transfer_servicer.receivers:
+        # Fail at start, not at the first request, if the engine's library is missing.
+        transfer_servicer.receivers[config.kv_transfer] = create_receiver(
+            config.kv_transfer, runner.pool, table)
+    log.info("decode: prefill writes KV with the %r engine (chosen by --kv-transfer)",
+             config.kv_transfer)
     server.add(decode_pb2_grpc.add_DecodeServiceServicer_to_server, servicer,
                [decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name])
     transfer_server.add(kv_transfer_pb2_grpc.add_KVTransferServiceServicer_to_server,
-                        KVTransferServicer(runner.pool, table, metrics.transfer_bytes.inc),
+                        transfer_servicer,
                         [kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransferService"].full_name])
     metrics_url = start_metrics(config.server, metrics)
     loop_task = asyncio.create_task(loop.run(), name="decode-loop")

@@ -11,11 +11,25 @@ if TYPE_CHECKING:
 # name -> "module:sender class"
 ENGINES: dict[str, str] = {
     "grpc": "kv_transfer.grpc_engine:GrpcSender",
+    "nixl": "kv_transfer.nixl_engine:NixlSender",
+}
+# name -> "module:receiver class" (the decode side, created at the first handshake for it)
+RECEIVERS: dict[str, str] = {
+    "grpc": "kv_transfer.grpc_engine:GrpcReceiver",
+    "nixl": "kv_transfer.nixl_engine:NixlReceiver",
 }
 
 
+def _load(table: dict[str, str], name: str) -> type:
+    if name not in table:
+        raise ValueError(f"unknown KV transfer engine {name!r}; available: {', '.join(table)}")
+    module_name, class_name = table[name].split(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
 def create_sender(name: str, pool: KVPool) -> TransferSender:
-    if name not in ENGINES:
-        raise ValueError(f"unknown KV transfer engine {name!r}; available: {', '.join(ENGINES)}")
-    module_name, class_name = ENGINES[name].split(":")
-    return getattr(importlib.import_module(module_name), class_name)(pool)
+    return _load(ENGINES, name)(pool)
+
+
+def create_receiver(name: str, pool: KVPool, sink: object) -> object:
+    return _load(RECEIVERS, name)(pool, sink)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import grpc
 
+from kv_transfer import RECEIVERS, create_receiver
 from kv_transfer.base import TransferSink
 from kv_transfer.grpc_engine import GrpcReceiver
 from pdserve.errors import LayoutMismatch
@@ -26,9 +27,15 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
         if diff:
             raise LayoutMismatch(f"KV layout mismatch ({diff})")
         receiver = self.receivers.get(request.engine)
+        if receiver is None and request.engine in RECEIVERS:
+            try:
+                receiver = create_receiver(request.engine, self.pool, self.sink)
+            except ImportError as err:
+                raise LayoutMismatch(f"transfer engine {request.engine!r}: {err}") from err
+            self.receivers[request.engine] = receiver
         if receiver is None:
-            raise LayoutMismatch(f"transfer engine {request.engine!r} not served here "
-                                 f"(served: {', '.join(self.receivers)})")
+            raise LayoutMismatch(f"unknown transfer engine {request.engine!r} "
+                                 f"(known: {', '.join(RECEIVERS)})")
         return kv_transfer_pb2.HandshakeResponse(engine_metadata=receiver.metadata())
 
     @map_errors

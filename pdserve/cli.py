@@ -21,7 +21,7 @@ PREFILL_FLAGS = [("--chunk-size", "chunk_size"), ("--max-queued-requests", "max_
 DECODE_FLAGS = [("--max-running-requests", "max_running_requests"),
                 ("--max-queued-reservations", "max_queued_reservations"),
                 ("--reserve-wait-s", "reserve_wait_s"), ("--lease-timeout-s", "lease_timeout_s"),
-                ("--kv-transfer-port", "kv_transfer_port")]
+                ("--kv-transfer-port", "kv_transfer_port"), ("--kv-transfer", "kv_transfer")]
 ROUTER_FLAGS = [("--model", "model"), ("--health-interval-s", "health_interval_s"),
                 ("--default-max-new-tokens", "default_max_new_tokens")]
 
@@ -87,6 +87,10 @@ def _decode_options(parser: argparse.ArgumentParser) -> None:
                    help="a reservation not committed and decoding by then is freed")
     g.add_argument("--kv-transfer-port", type=int, default=d.kv_transfer_port,
                    help="serve KV transfers on their own port (-1: the main gRPC port)")
+    g.add_argument("--kv-transfer", default=d.kv_transfer, choices=["grpc", "nixl"],
+                   help="engine prefill writes this worker's KV with: grpc (host-staged, "
+                   "anywhere) or nixl (NIXL/UCX straight into the pool; pip install "
+                   "'pdserve[nixl]')")
 
 
 def _router_options(parser: argparse.ArgumentParser, with_model: bool) -> None:

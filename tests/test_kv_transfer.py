@@ -110,3 +110,43 @@ def test_cluster_with_kv_transfer_on_its_own_port(tiny_runner):
         assert ids == local.generate(tiny_runner, prompt, SamplingParams(max_new_tokens=8))
     finally:
         cluster.stop()
+
+
+def test_nixl_engine_moves_random_pages_bit_exactly():
+    pytest.importorskip("kv_transfer.nixl_engine").nixl_api()
+    from kv_transfer.nixl_engine import NixlSender
+
+    async def scenario():
+        src_pool, dst_pool = _pool(num_pages=48), _pool(num_pages=80)  # different page counts
+        src_pool.tensor.copy_(torch.randn(src_pool.tensor.shape).to(src_pool.tensor.dtype))
+        server, table = await _decode_side(dst_pool)
+        try:
+            res = await table.reserve("r1", 37, 8)
+            dst_pages = res.pages[:res.prompt_pages]
+            src_pages = random.Random(7).sample(range(1, 48), len(dst_pages))
+            sender = NixlSender(src_pool)
+            target = _target(server, "r1", dst_pages)
+            target.engine = "nixl"
+            moved = await sender.send(src_pages, target, 37, 10)
+            await sender.close()
+            assert moved == len(dst_pages) * src_pool.bytes_per_page
+            assert torch.equal(dst_pool.read_pages(dst_pages), src_pool.read_pages(src_pages))
+            untouched = [p for p in range(1, 80) if p not in dst_pages]
+            assert not dst_pool.read_pages(untouched).any()
+            assert table.get("r1").state.value == "committed"
+        finally:
+            await server.stop(0)
+    asyncio.run(scenario())
+
+
+def test_cluster_with_the_nixl_engine_matches_single_process(tiny_runner):
+    pytest.importorskip("kv_transfer.nixl_engine").nixl_api()
+    cluster = start_roles(["prefill", "decode"], decode_flags=["--kv-transfer", "nixl"])
+    try:
+        prompts = [list(b"nixl moves these pages"), [5] * 150]
+        for prompt in prompts:
+            ids = generate(cluster.stub(), token_ids=generate_pb2.TokenIds(ids=prompt),
+                           sampling=generate_pb2.SamplingParams(max_new_tokens=10, ignore_eos=True))[0]
+            assert ids == local.generate(tiny_runner, prompt, SamplingParams(max_new_tokens=10))
+    finally:
+        cluster.stop()
