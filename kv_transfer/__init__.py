@@ -12,11 +12,13 @@ if TYPE_CHECKING:
 ENGINES: dict[str, str] = {
     "grpc": "kv_transfer.grpc_engine:GrpcSender",
     "nixl": "kv_transfer.nixl_engine:NixlSender",
+    "cuda_ipc": "kv_transfer.cuda_ipc_engine:CudaIpcSender",
 }
 # name -> "module:receiver class" (the decode side, created at the first handshake for it)
 RECEIVERS: dict[str, str] = {
     "grpc": "kv_transfer.grpc_engine:GrpcReceiver",
     "nixl": "kv_transfer.nixl_engine:NixlReceiver",
+    "cuda_ipc": "kv_transfer.cuda_ipc_engine:CudaIpcReceiver",
 }
 
 

@@ -87,10 +87,11 @@ def _decode_options(parser: argparse.ArgumentParser) -> None:
                    help="a reservation not committed and decoding by then is freed")
     g.add_argument("--kv-transfer-port", type=int, default=d.kv_transfer_port,
                    help="serve KV transfers on their own port (-1: the main gRPC port)")
-    g.add_argument("--kv-transfer", default=d.kv_transfer, choices=["grpc", "nixl"],
+    g.add_argument("--kv-transfer", default=d.kv_transfer,
+                   choices=["grpc", "nixl", "cuda_ipc"],
                    help="engine prefill writes this worker's KV with: grpc (host-staged, "
-                   "anywhere) or nixl (NIXL/UCX straight into the pool; pip install "
-                   "'pdserve[nixl]')")
+                   "anywhere), nixl (NIXL/UCX straight into the pool; pip install "
+                   "'pdserve[nixl]') or cuda_ipc (same host, GPU to GPU)")
 
 
 def _router_options(parser: argparse.ArgumentParser, with_model: bool) -> None:

@@ -154,3 +154,31 @@ def test_tiny_on_gpu_agrees_with_the_cpu_path():
             _assert_same_or_near_tie(cpu, prompt, expected, got, tolerance=1e-3)
     finally:
         stop_cluster(cluster)
+
+
+def test_copy_kernel_moves_random_pages_bit_exactly():
+    from kv_transfer.copy_kernel import copy_pages
+
+    src = torch.randn(3, 2, 50, 16, 2, 128, device=CUDA).bfloat16()
+    dst = torch.zeros(3, 2, 70, 16, 2, 128, device=CUDA, dtype=torch.bfloat16)
+    rng = random.Random(9)
+    src_pages = rng.sample(range(1, 50), 23)
+    dst_pages = rng.sample(range(1, 70), 23)
+    copy_pages(src, dst, torch.tensor(src_pages, device=CUDA), torch.tensor(dst_pages, device=CUDA))
+    assert torch.equal(dst[:, :, dst_pages], src[:, :, src_pages])
+    untouched = [p for p in range(70) if p not in dst_pages]
+    assert not dst[:, :, untouched].any()
+
+
+def test_cluster_with_cuda_ipc_matches_single_process(tiny_runner):
+    from conftest import start_roles
+
+    cluster = start_roles(["prefill", "decode"], decode_flags=["--kv-transfer", "cuda_ipc"])
+    try:
+        for prompt in (list(b"through CUDA IPC"), [9] * 300):
+            ids = generate(cluster.stub(), token_ids=generate_pb2.TokenIds(ids=prompt),
+                           sampling=generate_pb2.SamplingParams(max_new_tokens=12,
+                                                                ignore_eos=True))[0]
+            assert ids == local.generate(tiny_runner, prompt, SamplingParams(max_new_tokens=12))
+    finally:
+        cluster.stop()
