@@ -1,6 +1,6 @@
 """KV hand-off bandwidth and latency per engine, for prompts of llama3-8b's KV shape.
 
-    python bench/kv_transfer.py --tokens 512,2048,8192
+    python bench/transfer.py --tokens 512,2048,8192
 
 `copy_kernel` is what the cuda_ipc engine runs (one Triton launch per transfer, GPU to GPU);
 `indexing` is `dst[:, :, d] = src[:, :, s]` for comparison; `grpc` is the whole grpc engine
@@ -66,7 +66,7 @@ async def _grpc_ms(src: KVPool, dst: KVPool, pages: int, iters: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="512,2048,8192")
-    parser.add_argument("--out", default="bench/results/kv_transfer.json")
+    parser.add_argument("--out", default="bench/results/transfer.json")
     args = parser.parse_args()
     limit = copy_bandwidth_bytes_per_s()
     rows = []
