@@ -9,7 +9,7 @@ import grpc
 
 from decode_service.reservations import ReservationTable
 from decode_service.scheduler import DecodeLoop, DecodeRequest
-from kv_transfer import create_receiver
+from kv_transfer import create_receiver, offered_engines
 from kv_transfer.base import KVTarget
 from kv_transfer.service import KVTransferServicer
 from pdserve.config import DecodeConfig
@@ -92,7 +92,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                             context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
         return worker_info(self.runner, "decode", self.worker, running=self.loop.num_running,
                            queued=self.loop.num_waiting + self.table.num_waiting,
-                           reservations=len(self.table), engines=[self.engine])
+                           reservations=len(self.table),
+                           engines=(offered_engines(self.runner.device.type == "cuda")
+                                    if self.engine == "auto" else [self.engine]))
 
 
 async def serve(config: DecodeConfig) -> None:
@@ -112,12 +114,12 @@ async def serve(config: DecodeConfig) -> None:
                               advertised_address(config.server, transfer_server.port), worker,
                               config.kv_transfer)
     transfer_servicer = KVTransferServicer(runner.pool, table, metrics.transfer_bytes.inc)
-    if config.kv_transfer not in transfer_servicer.receivers:
+    if config.kv_transfer not in transfer_servicer.receivers and config.kv_transfer != "auto":
         # Fail at start, not at the first request, if the engine's library is missing.
         transfer_servicer.receivers[config.kv_transfer] = create_receiver(
             config.kv_transfer, runner.pool, table)
-    log.info("decode: prefill writes KV with the %r engine (chosen by --kv-transfer)",
-             config.kv_transfer)
+    log.info("decode: KV transfer engine %r (--kv-transfer)%s", config.kv_transfer,
+             "; each prefill worker picks from what we offer" if config.kv_transfer == "auto" else "")
     server.add(decode_pb2_grpc.add_DecodeServiceServicer_to_server, servicer,
                [decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name])
     transfer_server.add(kv_transfer_pb2_grpc.add_KVTransferServiceServicer_to_server,

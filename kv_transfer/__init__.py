@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import socket
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -20,6 +22,36 @@ RECEIVERS: dict[str, str] = {
     "nixl": "kv_transfer.nixl_engine:NixlReceiver",
     "cuda_ipc": "kv_transfer.cuda_ipc_engine:CudaIpcReceiver",
 }
+
+
+def host_identity() -> str:
+    """Names this host (and boot), so two processes can tell whether they share a machine."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f"{socket.gethostname()}:{f.read().strip()}"
+    except OSError:
+        return socket.gethostname()
+
+
+def nixl_installed() -> bool:
+    return any(importlib.util.find_spec(m) is not None for m in ("nixl", "nixl_cu12", "nixl_cu13"))
+
+
+def offered_engines(pool_on_cuda: bool) -> list[str]:
+    """What a decode worker can receive with, best first."""
+    return (["cuda_ipc"] if pool_on_cuda else []) + (["nixl"] if nixl_installed() else []) + ["grpc"]
+
+
+def choose_engine(offered: list[str], same_host: bool, local_on_cuda: bool,
+                  remote_on_cuda: bool) -> tuple[str, str]:
+    """``--kv-transfer auto``: cuda_ipc within a host with CUDA on both sides, else nixl where
+    both sides have it, else grpc. Returns (engine, reason)."""
+    if "cuda_ipc" in offered and same_host and local_on_cuda and remote_on_cuda:
+        return "cuda_ipc", "same host, both pools on CUDA"
+    if "nixl" in offered and nixl_installed():
+        return "nixl", ("NIXL on both sides" + ("" if same_host else ", different hosts")
+                        + ("" if local_on_cuda == remote_on_cuda else ", mixed memory"))
+    return "grpc", "no faster engine on both sides"
 
 
 def _load(table: dict[str, str], name: str) -> type:

@@ -12,6 +12,7 @@ from pdserve.errors import LayoutMismatch, TransferFailed
 from pdserve.grpc_util import channel
 from pdserve.kvcache.pool import KVLayout, KVPool
 from pdserve.proto_convert import layout_to_proto
+from kv_transfer import host_identity
 from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2
 
 
@@ -35,6 +36,22 @@ class KVTarget:
         return cls(msg.engine, msg.address, msg.request_id, list(msg.page_ids), msg.engine_metadata)
 
 
+async def query_offer(address: str, layout: KVLayout,
+                      timeout_s: float) -> kv_transfer_pb2.HandshakeResponse:
+    """What a decode worker can receive with (its engines, host and memory), layout checked."""
+    ch = channel(address)
+    try:
+        return await kv_transfer_pb2_grpc.KVTransferServiceStub(ch).Handshake(
+            kv_transfer_pb2.HandshakeRequest(layout=layout_to_proto(layout), engine="auto",
+                                             host=host_identity()), timeout=timeout_s)
+    except grpc.aio.AioRpcError as err:
+        if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
+            raise LayoutMismatch(f"decode {address} refused our KV layout: {err.details()}") from err
+        raise TransferFailed(f"handshake with {address}: {err.details()}") from err
+    finally:
+        await ch.close()
+
+
 class TransferSink(Protocol):
     """Decode's side of the bookkeeping: which pages a request may receive, and its commit."""
 
@@ -55,13 +72,15 @@ class DecodePeer:
         self.engine_metadata: bytes | None = None
         self._lock = asyncio.Lock()
 
-    async def handshake(self, layout: KVLayout, engine: str, timeout_s: float) -> bytes:
+    async def handshake(self, layout: KVLayout, engine: str, timeout_s: float,
+                        reason: str = "") -> bytes:
         """Checks our pool layout against the peer's once; returns its engine metadata."""
         async with self._lock:
             if self.engine_metadata is None:
                 try:
                     reply = await self.stub.Handshake(kv_transfer_pb2.HandshakeRequest(
-                        layout=layout_to_proto(layout), engine=engine), timeout=timeout_s)
+                        layout=layout_to_proto(layout), engine=engine, host=host_identity(),
+                        reason=reason), timeout=timeout_s)
                 except grpc.aio.AioRpcError as err:
                     if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
                         raise LayoutMismatch(f"decode {self.address} refused our KV layout: "
@@ -90,14 +109,15 @@ class TransferSender(ABC):
         return self._peers[address]
 
     async def send(self, src_pages: list[int], target: KVTarget, num_tokens: int,
-                   timeout_s: float) -> int:
-        """Writes ``src_pages`` into ``target.page_ids`` and commits; returns bytes moved."""
+                   timeout_s: float, reason: str = "") -> int:
+        """Writes ``src_pages`` into ``target.page_ids`` and commits; returns bytes moved.
+        ``reason`` (why this engine) goes to the decode side's log at the first handshake."""
         if len(target.page_ids) != len(src_pages):
             raise TransferFailed(f"target has {len(target.page_ids)} pages, "
                                  f"the prompt needs {len(src_pages)}")
         peer = self.peer(target.address)
         try:
-            await peer.handshake(self.pool.layout, self.name, timeout_s)
+            await peer.handshake(self.pool.layout, self.name, timeout_s, reason)
             moved = await self.write(peer, src_pages, target, timeout_s)
             await peer.commit(target.request_id, num_tokens, timeout_s)
         except grpc.aio.AioRpcError as err:

@@ -8,25 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import pickle
-import socket
 from typing import Any
 
 import torch
 
+from kv_transfer import host_identity
 from kv_transfer.base import DecodePeer, KVTarget, TransferSender, TransferSink
 from pdserve.errors import TransferFailed
 from pdserve.kvcache.pool import KVPool
 
 POLL_S = 0.0001
-
-
-def host_identity() -> str:
-    """Names this host (and boot), so two processes can tell they share a machine."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f"{socket.gethostname()}:{f.read().strip()}"
-    except OSError:
-        return socket.gethostname()
 
 
 class CudaIpcReceiver:

@@ -1,9 +1,11 @@
 """KVTransferService: the receiving end of every engine, served by decode workers."""
 from __future__ import annotations
 
+import logging
+
 import grpc
 
-from kv_transfer import RECEIVERS, create_receiver
+from kv_transfer import RECEIVERS, create_receiver, host_identity, offered_engines
 from kv_transfer.base import TransferSink
 from kv_transfer.grpc_engine import GrpcReceiver
 from pdserve.errors import LayoutMismatch
@@ -11,6 +13,9 @@ from pdserve.grpc_util import map_errors
 from pdserve.kvcache.pool import KVPool
 from pdserve.proto_convert import layout_from_proto
 from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+
+
+log = logging.getLogger(__name__)
 
 
 class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
@@ -26,6 +31,12 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
         diff = self.pool.layout.mismatch(layout_from_proto(request.layout))
         if diff:
             raise LayoutMismatch(f"KV layout mismatch ({diff})")
+        on_cuda = self.pool.tensor.device.type == "cuda"
+        about_us = dict(engines=offered_engines(on_cuda), host=host_identity(), on_cuda=on_cuda)
+        if request.engine == "auto":
+            return kv_transfer_pb2.HandshakeResponse(**about_us)
+        log.info("prefill %s writes KV with the %r engine (%s)", context.peer(), request.engine,
+                 request.reason or "asked for")
         receiver = self.receivers.get(request.engine)
         if receiver is None and request.engine in RECEIVERS:
             try:
@@ -36,7 +47,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
         if receiver is None:
             raise LayoutMismatch(f"unknown transfer engine {request.engine!r} "
                                  f"(known: {', '.join(RECEIVERS)})")
-        return kv_transfer_pb2.HandshakeResponse(engine_metadata=receiver.metadata())
+        return kv_transfer_pb2.HandshakeResponse(engine_metadata=receiver.metadata(), **about_us)
 
     @map_errors
     async def WritePages(self, request_iterator, context: grpc.aio.ServicerContext  # noqa: ANN001

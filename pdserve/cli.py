@@ -88,10 +88,11 @@ def _decode_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-transfer-port", type=int, default=d.kv_transfer_port,
                    help="serve KV transfers on their own port (-1: the main gRPC port)")
     g.add_argument("--kv-transfer", default=d.kv_transfer,
-                   choices=["grpc", "nixl", "cuda_ipc"],
+                   choices=["auto", "grpc", "nixl", "cuda_ipc"],
                    help="engine prefill writes this worker's KV with: grpc (host-staged, "
                    "anywhere), nixl (NIXL/UCX straight into the pool; pip install "
-                   "'pdserve[nixl]') or cuda_ipc (same host, GPU to GPU)")
+                   "'pdserve[nixl]'), cuda_ipc (same host, GPU to GPU) or auto (cuda_ipc on "
+                   "one host with CUDA, else nixl where installed, else grpc)")
 
 
 def _router_options(parser: argparse.ArgumentParser, with_model: bool) -> None:

@@ -52,7 +52,7 @@ class DecodeConfig:
     reserve_wait_s: float = 10.0        # how long Reserve waits for free pages
     lease_timeout_s: float = 30.0       # reservation not committed + decoding by then: freed
     kv_transfer_port: int = -1          # KVTransferService on its own port (-1: the main port)
-    kv_transfer: str = "grpc"           # the engine prefill is asked to write our pages with
+    kv_transfer: str = "auto"           # the engine prefill writes our pages with; auto: its pick
 
 
 @dataclass

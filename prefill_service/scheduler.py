@@ -15,8 +15,8 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from kv_transfer import create_sender
-from kv_transfer.base import KVTarget, TransferSender
+from kv_transfer import choose_engine, create_sender, host_identity
+from kv_transfer.base import KVTarget, TransferSender, query_offer
 from pdserve.engine.batch import SeqInput
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampling import SampleRow, SamplingParams
@@ -59,6 +59,7 @@ class PrefillScheduler:
         self._transferring: set[PrefillTask] = set()
         self._in_step: set[PrefillTask] = set()
         self._senders: dict[str, TransferSender] = {}
+        self._auto_engines: dict[str, tuple[str, str]] = {}   # decode address -> (engine, why)
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="prefill-step")
 
@@ -176,9 +177,10 @@ class PrefillScheduler:
     async def _transfer(self, task: PrefillTask, first_token: int) -> None:
         started = time.perf_counter()
         try:
-            sender = self._sender(task.target.engine)
+            engine, reason = await self._engine_for(task.target)
+            sender = self._sender(engine)
             moved = await sender.send(task.pages, task.target, len(task.prompt_ids),
-                                      self.transfer_timeout_s)
+                                      self.transfer_timeout_s, reason)
             self.metrics.transfer_duration.observe(time.perf_counter() - started)
             self.metrics.transfer_size.observe(moved)
             self.metrics.transfer_bytes.inc(moved)
@@ -194,6 +196,22 @@ class PrefillScheduler:
         finally:
             self._transferring.discard(task)
             self._free(task)
+
+    async def _engine_for(self, target: KVTarget) -> tuple[str, str]:
+        """The engine to write ``target`` with: decode's choice, or ours when it says auto."""
+        if target.engine != "auto":
+            return target.engine, "chosen by the decode worker's --kv-transfer"
+        if target.address not in self._auto_engines:
+            offer = await query_offer(target.address, self.pool.layout, self.transfer_timeout_s)
+            engine, reason = choose_engine(list(offer.engines), offer.host == host_identity(),
+                                           self.pool.tensor.device.type == "cuda", offer.on_cuda)
+            log.info("KV transfer to %s: %r engine (%s)", target.address, engine, reason)
+            self._auto_engines[target.address] = (engine, reason)
+        return self._auto_engines[target.address]
+
+    @property
+    def engines_in_use(self) -> list[str]:
+        return sorted(self._senders)
 
     def _sender(self, engine: str) -> TransferSender:
         if engine not in self._senders:

@@ -54,7 +54,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     async def GetWorkerInfo(self, request: worker_pb2.GetWorkerInfoRequest,
                             context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
         return worker_info(self.runner, "prefill", self.worker, running=self.scheduler.num_running,
-                           queued=self.scheduler.num_waiting, reservations=0, engines=["grpc"])
+                           queued=self.scheduler.num_waiting, reservations=0,
+                           engines=self.scheduler.engines_in_use)
 
 
 async def serve(config: PrefillConfig) -> None:

@@ -8,18 +8,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("layout", "engine")
+    __slots__ = ("layout", "engine", "host", "reason")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     layout: _worker_pb2.KVLayout
     engine: str
-    def __init__(self, layout: _Optional[_Union[_worker_pb2.KVLayout, _Mapping]] = ..., engine: _Optional[str] = ...) -> None: ...
+    host: str
+    reason: str
+    def __init__(self, layout: _Optional[_Union[_worker_pb2.KVLayout, _Mapping]] = ..., engine: _Optional[str] = ..., host: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("engine_metadata",)
+    __slots__ = ("engine_metadata", "engines", "host", "on_cuda")
     ENGINE_METADATA_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    ON_CUDA_FIELD_NUMBER: _ClassVar[int]
     engine_metadata: bytes
-    def __init__(self, engine_metadata: _Optional[bytes] = ...) -> None: ...
+    engines: _containers.RepeatedScalarFieldContainer[str]
+    host: str
+    on_cuda: bool
+    def __init__(self, engine_metadata: _Optional[bytes] = ..., engines: _Optional[_Iterable[str]] = ..., host: _Optional[str] = ..., on_cuda: _Optional[bool] = ...) -> None: ...
 
 class PageChunk(_message.Message):
     __slots__ = ("request_id", "page_ids", "data")

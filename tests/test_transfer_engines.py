@@ -1,0 +1,89 @@
+"""Choosing the KV transfer engine, and transfers that fail leaving nothing behind."""
+from __future__ import annotations
+
+import signal
+import time
+
+import grpc
+import pytest
+from conftest import generate, start_roles
+
+from kv_transfer import choose_engine, nixl_installed
+from pdserve.engine import local
+from pdserve.engine.sampling import SamplingParams
+from protos.pdserve.v1 import (decode_pb2_grpc, generate_pb2, prefill_pb2_grpc, worker_pb2)
+
+
+def _info(stub_cls, address: str) -> worker_pb2.WorkerInfo:
+    with grpc.insecure_channel(address) as ch:
+        return stub_cls(ch).GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=5)
+
+
+def _wait_free(address: str, expected: int, timeout_s: float = 15) -> int:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        free = _info(decode_pb2_grpc.DecodeServiceStub, address).free_pages
+        if free == expected or time.monotonic() > deadline:
+            return free
+        time.sleep(0.05)
+
+
+def test_auto_prefers_cuda_ipc_then_nixl_then_grpc():
+    everything = ["cuda_ipc", "nixl", "grpc"]
+    assert choose_engine(everything, True, True, True)[0] == "cuda_ipc"
+    assert choose_engine(everything, False, True, True)[0] == ("nixl" if nixl_installed() else "grpc")
+    assert choose_engine(everything, True, False, True)[0] == ("nixl" if nixl_installed() else "grpc")
+    assert choose_engine(["grpc"], True, True, True)[0] == "grpc"
+
+
+@pytest.mark.parametrize("flag, expected", [
+    ("auto", "nixl" if nixl_installed() else "grpc"), ("grpc", "grpc")])
+def test_prefill_uses_the_engine_decode_asks_for(flag, expected, tiny_runner):
+    cluster = start_roles(["prefill", "decode"], decode_flags=["--kv-transfer", flag])
+    try:
+        prompt = list(b"which engine moved me")
+        ids = generate(cluster.stub(), token_ids=generate_pb2.TokenIds(ids=prompt),
+                       sampling=generate_pb2.SamplingParams(max_new_tokens=6, ignore_eos=True))[0]
+        assert ids == local.generate(tiny_runner, prompt, SamplingParams(max_new_tokens=6))
+        used = _info(prefill_pb2_grpc.PrefillServiceStub, cluster.addresses["prefill0"])
+        assert list(used.kv_transfer_engines) == [expected]
+    finally:
+        cluster.stop()
+
+
+def test_failed_transfers_free_both_sides_and_say_why():
+    # A lease shorter than any prefill: every commit finds its reservation gone.
+    cluster = start_roles(["prefill", "decode"], decode_flags=["--lease-timeout-s", "0.001"])
+    try:
+        decode = _info(decode_pb2_grpc.DecodeServiceStub, cluster.addresses["decode0"])
+        with pytest.raises(grpc.RpcError) as info:
+            generate(cluster.stub(), token_ids=generate_pb2.TokenIds(ids=[3] * 200),
+                     sampling=generate_pb2.SamplingParams(max_new_tokens=4))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "transfer" in info.value.details().lower() or "reservation" in info.value.details()
+        assert _wait_free(cluster.addresses["decode0"], decode.total_pages) == decode.total_pages
+        prefill = _info(prefill_pb2_grpc.PrefillServiceStub, cluster.addresses["prefill0"])
+        assert prefill.free_pages == prefill.total_pages
+    finally:
+        cluster.stop()
+
+
+def test_killing_prefill_mid_request_returns_decode_pages():
+    cluster = start_roles(["prefill", "decode"])
+    try:
+        decode = _info(decode_pb2_grpc.DecodeServiceStub, cluster.addresses["decode0"])
+        call = cluster.stub().Generate(generate_pb2.GenerateRequest(
+            token_ids=generate_pb2.TokenIds(ids=[11] * 1900),
+            sampling=generate_pb2.SamplingParams(max_new_tokens=100)), timeout=60)
+        deadline = time.monotonic() + 10
+        while _info(decode_pb2_grpc.DecodeServiceStub,  # wait until decode holds the reservation
+                    cluster.addresses["decode0"]).reservations == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        cluster.processes["prefill0"].send_signal(signal.SIGKILL)
+        with pytest.raises(grpc.RpcError) as info:
+            list(call)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert _wait_free(cluster.addresses["decode0"], decode.total_pages) == decode.total_pages
+    finally:
+        cluster.stop()
