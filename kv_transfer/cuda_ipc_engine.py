@@ -48,6 +48,7 @@ class CudaIpcSender(TransferSender):
         from kv_transfer.copy_kernel import copy_pages
 
         self._copy_pages = copy_pages
+        self._compiled = False
         self._remote_pools: dict[str, torch.Tensor] = {}
         self.stream = torch.cuda.Stream(device=pool.tensor.device)
 
@@ -69,11 +70,19 @@ class CudaIpcSender(TransferSender):
         src = torch.tensor(src_pages, dtype=torch.int32).to(device, non_blocking=True)
         dst = torch.tensor(target.page_ids, dtype=torch.int32).to(device, non_blocking=True)
         # On a side stream after everything already queued (the prefill that wrote the pages).
-        self.stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(self.stream):
-            self._copy_pages(self.pool.tensor, remote, src, dst)
-            done = torch.cuda.Event()
-            done.record(self.stream)
+        done = torch.cuda.Event()
+
+        def launch() -> None:
+            self.stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(self.stream):
+                self._copy_pages(self.pool.tensor, remote, src, dst)
+                done.record(self.stream)
+
+        if self._compiled:
+            launch()
+        else:  # the first launch compiles the kernel: not on the event loop
+            await asyncio.to_thread(launch)
+            self._compiled = True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while not done.query():  # the commit must not overtake the copy

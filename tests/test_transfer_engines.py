@@ -6,6 +6,7 @@ import time
 
 import grpc
 import pytest
+import torch
 from conftest import generate, start_roles
 
 from kv_transfer import choose_engine, nixl_installed
@@ -36,8 +37,10 @@ def test_auto_prefers_cuda_ipc_then_nixl_then_grpc():
     assert choose_engine(["grpc"], True, True, True)[0] == "grpc"
 
 
-@pytest.mark.parametrize("flag, expected", [
-    ("auto", "nixl" if nixl_installed() else "grpc"), ("grpc", "grpc")])
+AUTO = "cuda_ipc" if torch.cuda.is_available() else ("nixl" if nixl_installed() else "grpc")
+
+
+@pytest.mark.parametrize("flag, expected", [("auto", AUTO), ("grpc", "grpc")])
 def test_prefill_uses_the_engine_decode_asks_for(flag, expected, tiny_runner):
     cluster = start_roles(["prefill", "decode"], decode_flags=["--kv-transfer", flag])
     try:
