@@ -9,7 +9,7 @@ import grpc
 
 from decode_service.reservations import ReservationTable
 from decode_service.scheduler import DecodeLoop, DecodeRequest
-from kv_transfer import create_receiver, offered_engines
+from kv_transfer import offered_engines
 from kv_transfer.base import KVTarget
 from kv_transfer.service import KVTransferServicer
 from pdserve.config import DecodeConfig
@@ -114,10 +114,9 @@ async def serve(config: DecodeConfig) -> None:
                               advertised_address(config.server, transfer_server.port), worker,
                               config.kv_transfer)
     transfer_servicer = KVTransferServicer(runner.pool, table, metrics.transfer_bytes.inc)
-    if config.kv_transfer not in transfer_servicer.receivers and config.kv_transfer != "auto":
+    if config.kv_transfer != "auto":
         # Fail at start, not at the first request, if the engine's library is missing.
-        transfer_servicer.receivers[config.kv_transfer] = create_receiver(
-            config.kv_transfer, runner.pool, table)
+        transfer_servicer.receiver(config.kv_transfer)
     log.info("decode: KV transfer engine %r (--kv-transfer)%s", config.kv_transfer,
              "; each prefill worker picks from what we offer" if config.kv_transfer == "auto" else "")
     server.add(decode_pb2_grpc.add_DecodeServiceServicer_to_server, servicer,

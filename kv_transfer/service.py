@@ -22,8 +22,21 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
     def __init__(self, pool: KVPool, sink: TransferSink, on_bytes=None) -> None:  # noqa: ANN001
         self.pool = pool
         self.sink = sink
-        self.receivers = {"grpc": GrpcReceiver(pool, sink)}
+        self.receivers: dict[str, object] = {}
+        self._grpc: GrpcReceiver = self.receiver("grpc")
         self._on_bytes = on_bytes or (lambda n: None)
+
+    def receiver(self, engine: str) -> object:
+        """The receiving side of ``engine``, created on first use (its library loaded then)."""
+        if engine not in self.receivers:
+            if engine not in RECEIVERS:
+                raise LayoutMismatch(f"unknown transfer engine {engine!r} "
+                                     f"(known: {', '.join(RECEIVERS)})")
+            try:
+                self.receivers[engine] = create_receiver(engine, self.pool, self.sink)
+            except ImportError as err:
+                raise LayoutMismatch(f"transfer engine {engine!r}: {err}") from err
+        return self.receivers[engine]
 
     @map_errors
     async def Handshake(self, request: kv_transfer_pb2.HandshakeRequest,
@@ -37,16 +50,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
             return kv_transfer_pb2.HandshakeResponse(**about_us)
         log.info("prefill %s writes KV with the %r engine (%s)", context.peer(), request.engine,
                  request.reason or "asked for")
-        receiver = self.receivers.get(request.engine)
-        if receiver is None and request.engine in RECEIVERS:
-            try:
-                receiver = create_receiver(request.engine, self.pool, self.sink)
-            except ImportError as err:
-                raise LayoutMismatch(f"transfer engine {request.engine!r}: {err}") from err
-            self.receivers[request.engine] = receiver
-        if receiver is None:
-            raise LayoutMismatch(f"unknown transfer engine {request.engine!r} "
-                                 f"(known: {', '.join(RECEIVERS)})")
+        receiver = self.receiver(request.engine)
         return kv_transfer_pb2.HandshakeResponse(engine_metadata=receiver.metadata(), **about_us)
 
     @map_errors
@@ -54,7 +58,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
                          ) -> kv_transfer_pb2.WritePagesResponse:
         written = 0
         async for chunk in request_iterator:
-            written += self.receivers["grpc"].write(chunk)
+            written += self._grpc.write(chunk)
         self._on_bytes(written)
         return kv_transfer_pb2.WritePagesResponse(bytes_written=written)
 
