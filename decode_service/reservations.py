@@ -3,6 +3,12 @@
 Admission control lives here: a Reserve waits (FIFO, bounded) for pages; one that can never fit,
 or finds the wait queue full, or waits too long, gets RESOURCE_EXHAUSTED. Everything runs on the
 server's event loop thread.
+
+Fences: with an engine that writes into our pool without us (cuda_ipc, nixl), a reservation
+released before its commit may still be written to by a prefill that has not stopped yet (a
+layer-wise send runs during a whole prefill step). Its pages are held back until that prefill
+abandons the request (or commits it), or at the latest one lease timeout later, so they are never
+handed to another request while stale writes can land.
 """
 from __future__ import annotations
 
@@ -47,6 +53,8 @@ class ReservationTable:
         self.lease_timeout_s = lease_timeout_s
         self._by_id: dict[str, Reservation] = {}
         self._waiters: deque[asyncio.Future] = deque()
+        self.fence_released = False    # set once a one-sided engine (cuda_ipc, nixl) is in use
+        self._fenced: dict[str, tuple[list[int], asyncio.TimerHandle]] = {}
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -54,6 +62,10 @@ class ReservationTable:
     @property
     def num_waiting(self) -> int:
         return len(self._waiters)
+
+    @property
+    def num_fenced_pages(self) -> int:
+        return sum(len(pages) for pages, _ in self._fenced.values())
 
     def pages_needed(self, prompt_len: int, max_new_tokens: int) -> int:
         # KV is stored for the prompt and every generated token but the last.
@@ -125,6 +137,8 @@ class ReservationTable:
             raise InvalidRequest(f"pages outside request {request_id!r}'s reservation")
 
     def commit(self, request_id: str, num_tokens: int) -> None:
+        if request_id in self._fenced:  # released meanwhile; a commit means the writes ended
+            self._unfence(request_id)
         res = self.get(request_id)
         if res.state is not State.RESERVED:
             raise InvalidRequest(f"request {request_id!r} is {res.state.value}; cannot commit")
@@ -142,15 +156,34 @@ class ReservationTable:
         return res
 
     def release(self, request_id: str) -> bool:
-        """Frees a reservation's pages; False if there was none."""
+        """Frees a reservation's pages; False if there was none. Pages that a one-sided engine
+        may still be writing (not committed yet) are fenced until the sender abandons."""
         res = self._by_id.pop(request_id, None)
         if res is None:
             return False
         if res.lease:
             res.lease.cancel()
+        if self.fence_released and res.state is State.RESERVED:
+            timer = asyncio.get_running_loop().call_later(self.lease_timeout_s, self._unfence,
+                                                          request_id)
+            self._fenced[request_id] = (res.pages, timer)
+            return True
         self.pool.allocator.free(res.pages)
         self._wake_next()
         return True
+
+    def abandon(self, request_id: str) -> None:
+        """The prefill side writes no more for ``request_id``: free it, fenced or held."""
+        self.release(request_id)
+        self._unfence(request_id)
+
+    def _unfence(self, request_id: str) -> None:
+        fenced = self._fenced.pop(request_id, None)
+        if fenced is not None:
+            pages, timer = fenced
+            timer.cancel()
+            self.pool.allocator.free(pages)
+            self._wake_next()
 
     def _expire(self, request_id: str, res: Reservation) -> None:
         if self._by_id.get(request_id) is res and res.state is not State.DECODING:

@@ -113,7 +113,11 @@ async def serve(config: DecodeConfig) -> None:
     servicer = DecodeServicer(runner, table, loop,
                               advertised_address(config.server, transfer_server.port), worker,
                               config.kv_transfer)
-    transfer_servicer = KVTransferServicer(runner.pool, table, metrics.transfer_bytes.inc)
+    def fence_released() -> None:
+        table.fence_released = True
+
+    transfer_servicer = KVTransferServicer(runner.pool, table, metrics.transfer_bytes.inc,
+                                           fence_released)
     if config.kv_transfer != "auto":
         # Fail at start, not at the first request, if the engine's library is missing.
         transfer_servicer.receiver(config.kv_transfer)

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 
@@ -14,6 +15,9 @@ from pdserve.kvcache.pool import KVLayout, KVPool
 from pdserve.proto_convert import layout_to_proto
 from kv_transfer import host_identity
 from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2
+
+log = logging.getLogger(__name__)
+POLL_S = 0.0001
 
 
 @dataclass
@@ -61,6 +65,10 @@ class TransferSink(Protocol):
 
     def commit(self, request_id: str, num_tokens: int) -> None: ...
 
+    def abandon(self, request_id: str) -> None:
+        """The sender writes no more for ``request_id`` and will not commit it."""
+        ...
+
 
 class DecodePeer:
     """The prefill side's connection to one decode worker's KVTransferService."""
@@ -94,41 +102,162 @@ class DecodePeer:
                                                              num_tokens=num_tokens), timeout=timeout_s)
 
 
+class PageWrite(ABC):
+    """Pages of one or more requests on their way into one decode pool, layer by layer.
+
+    ``on_layer(l)`` runs on the prefill step's thread once layer l's K/V are written (or, on the
+    GPU, enqueued): the engine sends that layer while the next one is computed. ``send_all()``
+    sends every layer at once (after the step). ``wait`` returns when everything has landed and
+    raises unless every layer was sent; ``settle`` only waits for what was sent to land, so the
+    source pages can be freed and the decode side told that no more writes will come.
+    """
+
+    def __init__(self, num_layers: int, address: str) -> None:
+        self.num_layers = num_layers
+        self.address = address
+        self.layers_sent = 0
+        self.sealed = False      # no more layers will be sent (the step is over)
+        self.error: Exception | None = None
+
+    def on_layer(self, layer: int) -> None:
+        if self.error is None:
+            try:
+                self._send(layer)
+            except Exception as err:  # noqa: BLE001 - reported by wait()
+                self.error = err
+        self.layers_sent += 1
+
+    def send_all(self) -> None:
+        for layer in range(self.num_layers):
+            self.on_layer(layer)
+        self.sealed = True
+
+    @abstractmethod
+    def _send(self, layer: int) -> None:
+        """Starts moving ``layer``'s pages (K and V); must not block on the transfer."""
+
+    @abstractmethod
+    def landed(self) -> bool:
+        """Whether everything started so far has completed (or failed)."""
+
+    async def settle(self, limit_s: float = 60.0) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit_s
+        while not (self.sealed and self.landed()) and loop.time() < deadline:
+            await asyncio.sleep(POLL_S)
+
+    async def wait(self, timeout_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not (self.sealed and self.landed()):
+            if loop.time() > deadline:
+                raise TransferFailed(f"KV write to {self.address} timed out after {timeout_s:g} s")
+            await asyncio.sleep(POLL_S)
+        if self.error is not None:
+            raise TransferFailed(f"KV write to {self.address} failed: {self.error}") from self.error
+        if self.layers_sent < self.num_layers:
+            raise TransferFailed(f"KV write to {self.address} incomplete: {self.layers_sent} of "
+                                 f"{self.num_layers} layers sent")
+
+
 class TransferSender(ABC):
-    """Prefill side of one engine: moves a request's pages into its target and commits."""
+    """Prefill side of one engine: moves a request's pages into its target and commits.
+
+    One-sided engines (cuda_ipc, nixl) write into the decode pool without the decode worker's
+    help; they implement ``start_write`` so pages can go layer by layer during the prefill step.
+    """
 
     name: str
+    one_sided = False
 
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool
         self._peers: dict[str, DecodePeer] = {}
+        self._connected: set[str] = set()
 
     def peer(self, address: str) -> DecodePeer:
         if address not in self._peers:
             self._peers[address] = DecodePeer(address)
         return self._peers[address]
 
+    async def prepare(self, address: str, timeout_s: float, reason: str = "") -> None:
+        """Handshake and engine set-up with a decode worker (once; later calls return at once)."""
+        if address in self._connected:
+            return
+        peer = self.peer(address)
+        try:
+            await peer.handshake(self.pool.layout, self.name, timeout_s, reason)
+        except grpc.aio.AioRpcError as err:
+            raise TransferFailed(f"KV transfer to {address} failed: "
+                                 f"{err.code().name}: {err.details()}") from err
+        await self._connect(peer)
+        self._connected.add(address)
+
+    def ready(self, address: str) -> bool:
+        return address in self._connected
+
+    async def _connect(self, peer: DecodePeer) -> None:
+        """Engine-specific set-up after the handshake (map the remote pool, add its agent)."""
+
+    def start_write(self, address: str, src_pages: list[int], dst_pages: list[int]) -> PageWrite:
+        """One-sided engines: a write of ``src_pages`` into ``dst_pages`` of a prepared peer."""
+        raise NotImplementedError(f"the {self.name} engine does not write one-sidedly")
+
     async def send(self, src_pages: list[int], target: KVTarget, num_tokens: int,
                    timeout_s: float, reason: str = "") -> int:
         """Writes ``src_pages`` into ``target.page_ids`` and commits; returns bytes moved.
         ``reason`` (why this engine) goes to the decode side's log at the first handshake."""
+        self._check_sizes(src_pages, target)
+        await self.prepare(target.address, timeout_s, reason)
+        if self.one_sided:
+            write = self.start_write(target.address, src_pages, target.page_ids)
+            try:
+                await self.launch(write)
+                await write.wait(timeout_s)
+            except BaseException:
+                await asyncio.shield(write.settle())  # no stray writes once we give up
+                raise
+            moved = len(src_pages) * self.pool.bytes_per_page
+        else:
+            moved = await self._wrap(self.write(self.peer(target.address), src_pages, target,
+                                                timeout_s), target)
+        await self.commit(target, num_tokens, timeout_s)
+        return moved
+
+    async def launch(self, write: PageWrite) -> None:
+        """Sends every layer of ``write`` now (after the step)."""
+        write.send_all()
+
+    async def commit(self, target: KVTarget, num_tokens: int, timeout_s: float) -> None:
+        await self._wrap(self.peer(target.address).commit(target.request_id, num_tokens,
+                                                          timeout_s), target)
+
+    async def abandon(self, target: KVTarget, timeout_s: float) -> None:
+        """Tells the decode worker we write no more for this request (best effort)."""
+        try:
+            await self.peer(target.address).stub.Abandon(
+                kv_transfer_pb2.AbandonRequest(request_id=target.request_id), timeout=timeout_s)
+        except grpc.aio.AioRpcError as err:
+            log.info("abandon of %s at %s: %s", target.request_id, target.address, err.details())
+
+    @staticmethod
+    def _check_sizes(src_pages: list[int], target: KVTarget) -> None:
         if len(target.page_ids) != len(src_pages):
             raise TransferFailed(f"target has {len(target.page_ids)} pages, "
                                  f"the prompt needs {len(src_pages)}")
-        peer = self.peer(target.address)
+
+    @staticmethod
+    async def _wrap(call: Any, target: KVTarget) -> Any:
         try:
-            await peer.handshake(self.pool.layout, self.name, timeout_s, reason)
-            moved = await self.write(peer, src_pages, target, timeout_s)
-            await peer.commit(target.request_id, num_tokens, timeout_s)
+            return await call
         except grpc.aio.AioRpcError as err:
             raise TransferFailed(f"KV transfer to {target.address} failed: "
                                  f"{err.code().name}: {err.details()}") from err
-        return moved
 
-    @abstractmethod
     async def write(self, peer: DecodePeer, src_pages: list[int], target: KVTarget,
                     timeout_s: float) -> int:
-        """Moves the pages (not the commit); returns bytes moved."""
+        """Two-sided engines: moves the pages (not the commit); returns bytes moved."""
+        raise NotImplementedError
 
     async def close(self) -> None:
         for peer in self._peers.values():

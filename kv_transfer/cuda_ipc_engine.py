@@ -1,6 +1,7 @@
 """`cuda_ipc`: prefill and decode processes on one host. The decode pool is exported once through
 CUDA IPC at the handshake; prefill maps it and copies the request's pages GPU to GPU with one
-kernel launch, no host staging. (Works across two GPUs of a host where peer access is enabled.)
+kernel launch per layer (sent while the next layer is computed) or per request, no host staging.
+Across two GPUs of one host the copy kernel writes the other GPU's memory over peer access.
 
 The handle travels pickled: both ends are our own processes on one host, behind the handshake.
 """
@@ -13,11 +14,9 @@ from typing import Any
 import torch
 
 from kv_transfer import host_identity
-from kv_transfer.base import DecodePeer, KVTarget, TransferSender, TransferSink
+from kv_transfer.base import DecodePeer, PageWrite, TransferSender, TransferSink
 from pdserve.errors import TransferFailed
 from pdserve.kvcache.pool import KVPool
-
-POLL_S = 0.0001
 
 
 class CudaIpcReceiver:
@@ -38,8 +37,45 @@ class CudaIpcReceiver:
         return self._metadata
 
 
+class _IpcWrite(PageWrite):
+    """Copies on the sender's side stream, each layer after the compute stream has written it."""
+
+    def __init__(self, sender: CudaIpcSender, remote: torch.Tensor, src_pages: list[int],
+                 dst_pages: list[int], address: str) -> None:
+        super().__init__(sender.pool.layout.num_layers, address)
+        self.sender = sender
+        self.remote = remote
+        device = sender.pool.tensor.device
+        self.src = torch.tensor(src_pages, dtype=torch.int32).to(device, non_blocking=True)
+        self.dst = torch.tensor(dst_pages, dtype=torch.int32).to(device, non_blocking=True)
+        self.event = torch.cuda.Event()
+
+    def _send(self, layer: int) -> None:
+        self._copy(slice(layer, layer + 1))
+
+    def send_all(self) -> None:  # every layer in one launch
+        try:
+            self._copy(slice(None))
+        except Exception as err:  # noqa: BLE001 - reported by wait()
+            self.error = err
+        self.layers_sent = self.num_layers
+        self.sealed = True
+
+    def _copy(self, layers: slice) -> None:
+        sender = self.sender
+        local = sender.pool.tensor
+        sender.stream.wait_stream(torch.cuda.current_stream(local.device))
+        with torch.cuda.stream(sender.stream):
+            sender.copy_pages(local[layers], self.remote[layers], self.src, self.dst)
+            self.event.record(sender.stream)
+
+    def landed(self) -> bool:
+        return self.event.query()  # an event never recorded counts as complete
+
+
 class CudaIpcSender(TransferSender):
     name = "cuda_ipc"
+    one_sided = True
 
     def __init__(self, pool: KVPool) -> None:
         super().__init__(pool)
@@ -47,46 +83,43 @@ class CudaIpcSender(TransferSender):
             raise ImportError("cuda_ipc needs the KV pool on a CUDA device")
         from kv_transfer.copy_kernel import copy_pages
 
-        self._copy_pages = copy_pages
-        self._compiled = False
+        self.copy_pages = copy_pages
         self._remote_pools: dict[str, torch.Tensor] = {}
         self.stream = torch.cuda.Stream(device=pool.tensor.device)
 
-    def _remote_pool(self, peer: DecodePeer) -> torch.Tensor:
-        if peer.address not in self._remote_pools:
-            from torch.multiprocessing.reductions import rebuild_cuda_tensor
+    async def _connect(self, peer: DecodePeer) -> None:
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-            exported: dict[str, Any] = pickle.loads(peer.engine_metadata or b"")
-            if exported.get("host") != host_identity():
-                raise TransferFailed(f"decode {peer.address} is on another host: cuda_ipc "
-                                     "works within one host (use nixl or grpc)")
-            self._remote_pools[peer.address] = rebuild_cuda_tensor(*exported["args"])
-        return self._remote_pools[peer.address]
+        exported: dict[str, Any] = pickle.loads(peer.engine_metadata or b"")
+        if exported.get("host") != host_identity():
+            raise TransferFailed(f"decode {peer.address} is on another host: cuda_ipc "
+                                 "works within one host (use nixl or grpc)")
+        remote = rebuild_cuda_tensor(*exported["args"])
+        local = self.pool.tensor
+        if remote.device != local.device:
+            await asyncio.to_thread(_enable_peer_access, local, remote)
+        # Compile the copy kernel now, off the event loop, with a copy of the null page onto
+        # itself (page 0 is never handed out on either side).
+        null = torch.zeros(1, dtype=torch.int32, device=local.device)
 
-    async def write(self, peer: DecodePeer, src_pages: list[int], target: KVTarget,
-                    timeout_s: float) -> int:
-        remote = self._remote_pool(peer)
-        device = self.pool.tensor.device
-        src = torch.tensor(src_pages, dtype=torch.int32).to(device, non_blocking=True)
-        dst = torch.tensor(target.page_ids, dtype=torch.int32).to(device, non_blocking=True)
-        # On a side stream after everything already queued (the prefill that wrote the pages).
-        done = torch.cuda.Event()
-
-        def launch() -> None:
-            self.stream.wait_stream(torch.cuda.current_stream(device))
+        def warm_up() -> None:
             with torch.cuda.stream(self.stream):
-                self._copy_pages(self.pool.tensor, remote, src, dst)
-                done.record(self.stream)
+                self.copy_pages(local[:1], remote[:1], null, null)
+            self.stream.synchronize()
 
-        if self._compiled:
-            launch()
-        else:  # the first launch compiles the kernel: not on the event loop
-            await asyncio.to_thread(launch)
-            self._compiled = True
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while not done.query():  # the commit must not overtake the copy
-            if loop.time() > deadline:
-                raise TransferFailed(f"cuda_ipc copy to {peer.address} timed out")
-            await asyncio.sleep(POLL_S)
-        return len(src_pages) * self.pool.bytes_per_page
+        await asyncio.to_thread(warm_up)
+        self._remote_pools[peer.address] = remote
+
+    def start_write(self, address: str, src_pages: list[int], dst_pages: list[int]) -> PageWrite:
+        return _IpcWrite(self, self._remote_pools[address], src_pages, dst_pages, address)
+
+
+def _enable_peer_access(local: torch.Tensor, remote: torch.Tensor) -> None:
+    """Lets kernels on ``local``'s GPU write ``remote``'s (two GPUs of one host)."""
+    if not torch.cuda.can_device_access_peer(local.device, remote.device):
+        raise TransferFailed(f"{local.device} cannot access {remote.device} directly (no peer "
+                             "access): use nixl or grpc between these GPUs")
+    # PyTorch enables peer access (source GPU to destination GPU) for a device-to-device copy;
+    # this one writes the null page, which is never handed out.
+    remote[0, 0, 0].copy_(local[0, 0, 0])
+    torch.cuda.synchronize(local.device)

@@ -2,8 +2,9 @@
 decode pool: host or GPU memory, on one host or across hosts, no staging through gRPC.
 
 Each side registers its whole pool once. The decode side's agent metadata, pool address and
-page count travel in our gRPC handshake; then every transfer is one WRITE of one descriptor per
-(layer, K/V, page), built with array arithmetic, followed by our Commit RPC.
+page count travel in our gRPC handshake; then every layer of a transfer is one WRITE of one
+descriptor per (K/V, page), built with array arithmetic, posted as soon as the layer is computed;
+our Commit RPC follows the last.
 """
 from __future__ import annotations
 
@@ -13,18 +14,20 @@ import importlib
 import json
 import os
 import socket
+import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
-from kv_transfer.base import DecodePeer, KVTarget, TransferSender, TransferSink
+from kv_transfer.base import DecodePeer, PageWrite, TransferSender, TransferSink
 from pdserve.errors import TransferFailed
 from pdserve.kvcache.pool import KVPool
 
 NIXL_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
-POLL_S = 0.0002
+POLL_S = 0.00005
 
 
 def nixl_api() -> ModuleType:
@@ -50,11 +53,13 @@ def _memory(pool: KVPool) -> tuple[str, int]:
 
 
 def page_descriptors(pool: KVPool, page_ids: list[int], base: int, num_pages: int,
-                     device_id: int) -> np.ndarray:
-    """[2 * layers * len(page_ids), 3] (address, bytes, device) of the pages in a pool laid out
-    like ``pool`` that starts at ``base`` and holds ``num_pages`` pages."""
+                     device_id: int, layers: range | None = None) -> np.ndarray:
+    """[2 * len(layers) * len(page_ids), 3] (address, bytes, device) of the pages (all layers
+    by default) in a pool laid out like ``pool`` that starts at ``base`` and holds
+    ``num_pages`` pages."""
     plane_bytes = pool.bytes_per_page // (2 * pool.layout.num_layers)  # one page of one K or V
-    planes = np.arange(2 * pool.layout.num_layers, dtype=np.uint64)[:, None]
+    layers = layers if layers is not None else range(pool.layout.num_layers)
+    planes = np.arange(2 * layers.start, 2 * layers.stop, dtype=np.uint64)[:, None]
     pages = np.asarray(page_ids, dtype=np.uint64)[None, :]
     addresses = (base + (planes * num_pages + pages) * plane_bytes).ravel()
     descriptors = np.empty((addresses.size, 3), dtype=np.uint64)
@@ -82,42 +87,82 @@ class NixlReceiver:
             "memory": memory, "device": device_id}).encode()
 
 
+class _NixlWrite(PageWrite):
+    """One NIXL WRITE per layer, posted by the sender's agent thread: on the GPU once the
+    compute stream has passed the layer (an event), on the CPU at once."""
+
+    def __init__(self, sender: NixlSender, src_pages: list[int], dst_pages: list[int],
+                 address: str) -> None:
+        super().__init__(sender.pool.layout.num_layers, address)
+        self.sender = sender
+        self.src_pages, self.dst_pages = src_pages, dst_pages
+        self.futures: list[Future] = []
+
+    def _send(self, layer: int) -> None:
+        event = None
+        if self.sender.pool.tensor.device.type == "cuda":
+            import torch
+
+            event = torch.cuda.Event()
+            event.record()
+        self.futures.append(self.sender.thread.submit(self.sender.post_layer, self, layer, event))
+
+    def landed(self) -> bool:
+        if not all(f.done() for f in self.futures):
+            return False
+        for f in self.futures:
+            if f.exception() is not None and self.error is None:
+                self.error = f.exception()  # type: ignore[assignment]
+        return True
+
+
 class NixlSender(TransferSender):
     name = "nixl"
+    one_sided = True
 
     def __init__(self, pool: KVPool) -> None:
         super().__init__(pool)
-        self.agent = _agent("prefill")
-        self.agent.register_memory(pool.tensor)
-        self._remote_agents: dict[str, str] = {}
+        # Every call into the agent happens on this one thread.
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="nixl")
+        self.agent = self.thread.submit(_agent, "prefill").result()
+        self.thread.submit(self.agent.register_memory, pool.tensor).result()
+        self._remotes: dict[str, tuple[str, dict[str, Any]]] = {}  # address -> (agent, metadata)
 
-    async def write(self, peer: DecodePeer, src_pages: list[int], target: KVTarget,
-                    timeout_s: float) -> int:
+    async def _connect(self, peer: DecodePeer) -> None:
         remote = json.loads(peer.engine_metadata or b"{}")
         if "agent" not in remote:
             raise TransferFailed(f"decode {peer.address} sent no NIXL metadata")
-        if peer.address not in self._remote_agents:
-            self._remote_agents[peer.address] = self.agent.add_remote_agent(
-                base64.b64decode(remote["agent"]))
+        name = await asyncio.get_running_loop().run_in_executor(
+            self.thread, self.agent.add_remote_agent, base64.b64decode(remote["agent"]))
+        self._remotes[peer.address] = (name, remote)
+
+    def start_write(self, address: str, src_pages: list[int], dst_pages: list[int]) -> PageWrite:
+        return _NixlWrite(self, src_pages, dst_pages, address)
+
+    def post_layer(self, write: _NixlWrite, layer: int, event: Any) -> None:
+        """On the agent thread: one WRITE of ``layer``'s pages, waited for until it lands."""
+        if event is not None:
+            event.synchronize()
+        name, remote = self._remotes[write.address]
         memory, device_id = _memory(self.pool)
+        layers = range(layer, layer + 1)
         local = self.agent.get_xfer_descs(
-            page_descriptors(self.pool, src_pages, self.pool.tensor.data_ptr(),
-                             self.pool.num_pages, device_id), memory)
+            page_descriptors(self.pool, write.src_pages, self.pool.tensor.data_ptr(),
+                             self.pool.num_pages, device_id, layers), memory)
         dest = self.agent.get_xfer_descs(
-            page_descriptors(self.pool, target.page_ids, remote["base"], remote["num_pages"],
-                             remote["device"]), remote["memory"])
-        handle = self.agent.initialize_xfer("WRITE", local, dest,
-                                            self._remote_agents[peer.address],
-                                            target.request_id.encode())
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        state = self.agent.transfer(handle)
-        while state == "PROC" and loop.time() < deadline:
-            await asyncio.sleep(POLL_S)
-            state = self.agent.check_xfer_state(handle)
-        if state == "PROC":
-            raise TransferFailed(f"NIXL write to {peer.address} timed out after {timeout_s:g} s")
-        handle.release()
+            page_descriptors(self.pool, write.dst_pages, remote["base"], remote["num_pages"],
+                             remote["device"], layers), remote["memory"])
+        handle = self.agent.initialize_xfer("WRITE", local, dest, name, b"")
+        try:
+            state = self.agent.transfer(handle)
+            while state == "PROC":
+                time.sleep(POLL_S)
+                state = self.agent.check_xfer_state(handle)
+        finally:
+            handle.release()
         if state != "DONE":
-            raise TransferFailed(f"NIXL write to {peer.address} failed ({state})")
-        return len(src_pages) * self.pool.bytes_per_page
+            raise TransferFailed(f"NIXL write to {write.address} failed ({state})")
+
+    async def close(self) -> None:
+        await super().close()
+        self.thread.shutdown(wait=False, cancel_futures=True)

@@ -19,10 +19,13 @@ log = logging.getLogger(__name__)
 
 
 class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
-    def __init__(self, pool: KVPool, sink: TransferSink, on_bytes=None) -> None:  # noqa: ANN001
+    def __init__(self, pool: KVPool, sink: TransferSink, on_bytes=None,  # noqa: ANN001
+                 on_one_sided=None) -> None:  # noqa: ANN001
         self.pool = pool
         self.sink = sink
         self.receivers: dict[str, object] = {}
+        # Called when an engine that writes into the pool without us (cuda_ipc, nixl) starts.
+        self.on_one_sided = on_one_sided or (lambda: None)
         self._grpc: GrpcReceiver = self.receiver("grpc")
         self._on_bytes = on_bytes or (lambda n: None)
 
@@ -36,6 +39,8 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
                 self.receivers[engine] = create_receiver(engine, self.pool, self.sink)
             except ImportError as err:
                 raise LayoutMismatch(f"transfer engine {engine!r}: {err}") from err
+            if engine != "grpc":
+                self.on_one_sided()
         return self.receivers[engine]
 
     @map_errors
@@ -67,3 +72,9 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
                      context: grpc.aio.ServicerContext) -> kv_transfer_pb2.CommitResponse:
         self.sink.commit(request.request_id, request.num_tokens)
         return kv_transfer_pb2.CommitResponse()
+
+    @map_errors
+    async def Abandon(self, request: kv_transfer_pb2.AbandonRequest,
+                      context: grpc.aio.ServicerContext) -> kv_transfer_pb2.AbandonResponse:
+        self.sink.abandon(request.request_id)
+        return kv_transfer_pb2.AbandonResponse()

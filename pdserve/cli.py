@@ -73,6 +73,9 @@ def _prefill_options(parser: argparse.ArgumentParser) -> None:
                    help="most prompt tokens per prefill step; longer prompts are chunked")
     g.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests)
     g.add_argument("--transfer-timeout-s", type=float, default=d.transfer_timeout_s)
+    g.add_argument("--no-layerwise-transfer", dest="layerwise_transfer", action="store_false",
+                   help="with cuda_ipc/nixl, send a prompt's KV after its last step instead of "
+                        "each layer as it is computed")
 
 
 def _decode_options(parser: argparse.ArgumentParser) -> None:
@@ -204,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         from prefill_service.server import serve as serve_prefill
 
         config = PrefillConfig(server=_server_config(args), engine=_engine_config(args),
+                               layerwise_transfer=args.layerwise_transfer,
                                **{dest: getattr(args, dest) for _, dest in PREFILL_FLAGS})
         asyncio.run(serve_prefill(config))
     elif args.command == "decode":

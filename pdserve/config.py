@@ -41,6 +41,7 @@ class PrefillConfig:
     chunk_size: int = 2048              # most prompt tokens computed in one step (all requests)
     max_queued_requests: int = 1024
     transfer_timeout_s: float = 30.0
+    layerwise_transfer: bool = True     # one-sided engines send each layer as it is computed
 
 
 @dataclass

@@ -106,6 +106,8 @@ def run_cluster(args: argparse.Namespace) -> int:
                 extra = forward_flags(args, ENGINE_FLAGS + flags)
                 if args.disable_cuda_graph:
                     extra.append("--disable-cuda-graph")
+                if role == "prefill" and not args.layerwise_transfer:
+                    extra.append("--no-layerwise-transfer")
                 workers.append(_start(role, host, free_port(host), metrics, extra, args.log_level))
         children.extend(workers)
         for child in workers:

@@ -101,9 +101,15 @@ class PrefillMetrics(WorkerMetrics):
                                          "Prompt tokens in one prefill step", buckets=TOKEN_BUCKETS)
         self.batch_requests = self._metric(Histogram, "pdserve_prefill_batch_size_requests",
                                            "Requests in one prefill step", buckets=BATCH_BUCKETS)
-        self.transfer_duration = self._metric(Histogram, "pdserve_kv_transfer_duration_seconds",
-                                              "Time to move one request's KV and commit it",
-                                              buckets=LATENCY_BUCKETS_S)
+        self.transfer_duration = self._metric(
+            Histogram, "pdserve_kv_transfer_duration_seconds",
+            "The hand-off: from the end of a prompt's last prefill step until its KV is "
+            "committed on the decode worker (layer-wise sends start during that step)",
+            buckets=LATENCY_BUCKETS_S)
+        self.transfers = self._metric(Counter, "pdserve_kv_transfers_total",
+                                      "KV transfers committed, by engine and mode (layerwise: "
+                                      "sent during the prefill step; after_prefill: after it)",
+                                      extra=("engine", "mode"))
         self.transfer_size = self._metric(Histogram, "pdserve_kv_transfer_size_bytes",
                                           "KV bytes of one request's transfer",
                                           buckets=BYTES_BUCKETS)

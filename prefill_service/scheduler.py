@@ -5,6 +5,12 @@ longer than what is left of the budget continues in the next step, attending to 
 earlier chunks wrote. When a prompt's last chunk is done its first token is sampled and its pages
 are pushed to the decode worker's reservation; the prefill pages are freed once that transfer
 ends, however it ends.
+
+With a one-sided engine (cuda_ipc, nixl) the push overlaps the prompt's last step: the engine is
+chosen and connected while the prompt waits, and each layer's pages leave as soon as that layer
+is computed, so after the step only the last layer's copy and the commit remain (the hand-off).
+A request that fails or is cancelled tells the decode worker (Abandon) once no more of its
+writes can land, so its reserved pages are safe to reuse.
 """
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kv_transfer import choose_engine, create_sender, host_identity
-from kv_transfer.base import KVTarget, TransferSender, query_offer
+from kv_transfer.base import KVTarget, PageWrite, TransferSender, query_offer
 from pdserve.engine.batch import SeqInput
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampling import SampleRow, SamplingParams
@@ -39,6 +45,8 @@ class PrefillTask:
     aborted: bool = False
     transfer: asyncio.Task | None = None
     enqueued_at: float = field(default_factory=time.monotonic)
+    connect: asyncio.Task | None = None            # engine chosen and connected ahead of time
+    write: PageWrite | None = None                 # pages sent layer by layer in the last step
 
     @property
     def remaining(self) -> int:
@@ -47,8 +55,10 @@ class PrefillTask:
 
 class PrefillScheduler:
     def __init__(self, runner: ModelRunner, chunk_size: int, max_queued: int,
-                 transfer_timeout_s: float, metrics: PrefillMetrics) -> None:
+                 transfer_timeout_s: float, metrics: PrefillMetrics,
+                 layerwise: bool = True) -> None:
         self.runner = runner
+        self.layerwise = layerwise
         self.pool = runner.pool
         self.chunk_size = chunk_size
         self.max_queued = max_queued
@@ -61,6 +71,7 @@ class PrefillScheduler:
         self._senders: dict[str, TransferSender] = {}
         self._auto_engines: dict[str, tuple[str, str]] = {}   # decode address -> (engine, why)
         self._wake = asyncio.Event()
+        self._background: set[asyncio.Task] = set()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="prefill-step")
 
     @property
@@ -80,12 +91,44 @@ class PrefillScheduler:
         if len(self._waiting) >= self.max_queued:
             raise Overloaded(f"prefill worker overloaded: {len(self._waiting)} prompts waiting")
         self._waiting.append(task)
+        task.connect = self._spawn(self._connect(task))
         self._wake.set()
         try:
             return await asyncio.shield(task.result)
         finally:
             if not task.result.done():
                 self.abort(task)
+
+    def _spawn(self, coro) -> asyncio.Task:  # noqa: ANN001
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def _connect(self, task: PrefillTask) -> TransferSender | None:
+        """The task's engine, connected to its decode worker; None if that failed (the
+        transfer then tries again and reports the error)."""
+        try:
+            engine, reason = await self._engine_for(task.target)
+            sender = self._sender(engine)
+            await sender.prepare(task.target.address, self.transfer_timeout_s, reason)
+            return sender
+        except Exception as err:  # noqa: BLE001 - reported by the transfer
+            log.debug("request %s: connecting ahead failed: %s", task.request_id, err)
+            return None
+
+    def abandon(self, task: PrefillTask) -> None:
+        """After a failed or cancelled request: once none of its writes can land any more, tell
+        its decode worker, which may then reuse the reserved pages (in the background)."""
+        async def run() -> None:
+            if task.transfer is not None:
+                await asyncio.wait([task.transfer])
+            if task.write is not None:
+                await task.write.settle()
+            await (self._connected(task) or self._sender("grpc")).abandon(
+                task.target, self.transfer_timeout_s)
+
+        self._spawn(run())
 
     def abort(self, task: PrefillTask) -> None:
         task.aborted = True
@@ -94,11 +137,24 @@ class PrefillScheduler:
         if task in self._running:
             self._running.remove(task)
             if task not in self._in_step:
-                self._free(task)
+                self._release(task)
         if task.transfer is not None:
             task.transfer.cancel()  # its finally frees the pages
         if not task.result.done():
             task.result.cancel()
+
+    def _release(self, task: PrefillTask) -> None:
+        """Frees the task's pages once no write is reading them."""
+        if task.write is not None and not (task.write.sealed and task.write.landed()):
+            write = task.write
+
+            async def later() -> None:
+                await write.settle()
+                self._free(task)
+
+            self._spawn(later())
+        else:
+            self._free(task)
 
     def _free(self, task: PrefillTask) -> None:
         if task.pages:
@@ -149,9 +205,16 @@ class PrefillScheduler:
                     self.metrics.queue_wait.observe(now - task.enqueued_at)
             self.metrics.batch_tokens.observe(sum(n for _, n in plan))
             self.metrics.batch_requests.observe(len(plan))
+            writes = self._start_layerwise([t for t, n in plan if n == t.remaining])
+            on_layer = None
+            if writes:
+                def on_layer(layer: int) -> None:  # on the step's thread
+                    for write in writes:
+                        write.on_layer(layer)
             step_started = time.perf_counter()
             try:
-                tokens = await loop.run_in_executor(self._executor, self.runner.step, seqs, rows)
+                tokens = await loop.run_in_executor(self._executor, self.runner.step, seqs, rows,
+                                                    on_layer)
             except Exception as err:
                 log.exception("prefill step failed; failing its %d requests", len(plan))
                 for task, _ in plan:
@@ -160,12 +223,14 @@ class PrefillScheduler:
                 tokens = None
             finally:
                 self._in_step = set()
+                for write in writes:
+                    write.sealed = True
             self.metrics.step_duration.observe(time.perf_counter() - step_started)
             for (task, taken), token in zip(plan, tokens or [None] * len(plan)):
                 if task.aborted or token is None:
                     if task in self._running:
                         self._running.remove(task)
-                    self._free(task)
+                    self._release(task)
                     continue
                 task.computed += taken
                 if task.remaining == 0:
@@ -174,16 +239,47 @@ class PrefillScheduler:
                     task.transfer = asyncio.create_task(self._transfer(task, token))
                     self._transferring.add(task)
 
+    @staticmethod
+    def _connected(task: PrefillTask) -> TransferSender | None:
+        """The task's sender if connecting ahead has finished and worked."""
+        connect = task.connect
+        if connect is None or not connect.done() or connect.cancelled():
+            return None
+        return connect.result()
+
+    def _start_layerwise(self, finishing: list[PrefillTask]) -> list[PageWrite]:
+        """Writes for the prompts this step completes whose engine can send layer by layer
+        and is connected already; the others transfer after the step."""
+        if not self.layerwise:
+            return []
+        writes = []
+        for task in finishing:
+            sender = self._connected(task)
+            if sender is not None and sender.one_sided and sender.ready(task.target.address) \
+                    and len(task.pages) == len(task.target.page_ids):
+                task.write = sender.start_write(task.target.address, task.pages,
+                                                task.target.page_ids)
+                writes.append(task.write)
+        return writes
+
     async def _transfer(self, task: PrefillTask, first_token: int) -> None:
         started = time.perf_counter()
         try:
-            engine, reason = await self._engine_for(task.target)
-            sender = self._sender(engine)
-            moved = await sender.send(task.pages, task.target, len(task.prompt_ids),
-                                      self.transfer_timeout_s, reason)
+            if task.write is not None:   # sent during the step: wait for the last layer
+                sender = task.connect.result()
+                await task.write.wait(self.transfer_timeout_s)
+                await sender.commit(task.target, len(task.prompt_ids), self.transfer_timeout_s)
+                moved, mode = len(task.pages) * self.pool.bytes_per_page, "layerwise"
+            else:
+                engine, reason = await self._engine_for(task.target)
+                sender = self._sender(engine)
+                moved = await sender.send(task.pages, task.target, len(task.prompt_ids),
+                                          self.transfer_timeout_s, reason)
+                mode = "after_prefill"
             self.metrics.transfer_duration.observe(time.perf_counter() - started)
             self.metrics.transfer_size.observe(moved)
             self.metrics.transfer_bytes.inc(moved)
+            self.metrics.transfers.labels(sender.name, mode).inc()
             if not task.result.done():
                 task.result.set_result(first_token)
         except asyncio.CancelledError:
@@ -195,7 +291,7 @@ class PrefillScheduler:
                 task.result.set_exception(err)
         finally:
             self._transferring.discard(task)
-            self._free(task)
+            self._release(task)
 
     async def _engine_for(self, target: KVTarget) -> tuple[str, str]:
         """The engine to write ``target`` with: decode's choice, or ours when it says auto."""
@@ -223,6 +319,8 @@ class PrefillScheduler:
         self.metrics.set_pool(self.pool.allocator.num_free, self.pool.allocator.total)
 
     async def shutdown(self) -> None:
+        for task in list(self._background):
+            task.cancel()
         self._executor.shutdown(wait=False, cancel_futures=True)
         for sender in self._senders.values():
             await sender.close()

@@ -48,6 +48,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             raise
         finally:
             self.scheduler.metrics.request_done(outcome)
+            if outcome != "finished":
+                self.scheduler.abandon(task)
         return prefill_pb2.PrefillResponse(first_token_id=first_token)
 
     @map_errors
@@ -64,7 +66,8 @@ async def serve(config: PrefillConfig) -> None:
     worker = worker_id(config.server, "prefill", server.port)
     metrics = PrefillMetrics(worker)
     scheduler = PrefillScheduler(runner, config.chunk_size, config.max_queued_requests,
-                                 config.transfer_timeout_s, metrics)
+                                 config.transfer_timeout_s, metrics,
+                                 layerwise=config.layerwise_transfer)
     server.add(prefill_pb2_grpc.add_PrefillServiceServicer_to_server,
                PrefillServicer(runner, scheduler, worker),
                [prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name])

@@ -181,10 +181,12 @@ def _worker_flags(addresses: dict[str, str], role: str, discovery: bool) -> list
 
 
 def start_roles(roles: list[str], discovery: bool = False, router_flags: list[str] | None = None,
-                decode_flags: list[str] | None = None) -> RoleProcesses:
+                decode_flags: list[str] | None = None,
+                prefill_flags: list[str] | None = None) -> RoleProcesses:
     """Starts one process per entry of ``roles`` ("prefill"/"decode"), then a router over them
     (with ``discovery``, finding them as dns:localhost:PORT instead of static addresses)."""
-    role_flags = {"prefill": PREFILL_FLAGS, "decode": DECODE_FLAGS + (decode_flags or [])}
+    role_flags = {"prefill": PREFILL_FLAGS + (prefill_flags or []),
+                  "decode": DECODE_FLAGS + (decode_flags or [])}
     processes, addresses = {}, {}
     for i, role in enumerate(roles):
         port = free_port()

@@ -74,6 +74,62 @@ def test_auto_choice_on_this_gpu():
     assert resolve_backend("auto", "prefill", CUDA, torch.bfloat16, 16)[0] == "torch"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_fused_rope_kv_kernel_matches_torch_ops(dtype, qk_norm):
+    from pdserve.models.layers import rope_cos_sin
+    from pdserve.models.ops import TorchOps
+    from pdserve.models.rope_kv_kernel import rope_store_kv
+
+    gen = torch.Generator(device=CUDA).manual_seed(4)
+    tokens, heads, kv_heads, dim, page = 300, 32, 8, 128, 16
+    width = (heads + 2 * kv_heads) * dim
+    qkv = torch.randn(tokens, width + 64, device=CUDA, generator=gen).to(dtype)[:, :width]
+    positions = torch.randint(0, 4000, (tokens,), device=CUDA, generator=gen)
+    slots = torch.randperm(64 * page, device=CUDA, generator=gen)[:tokens]
+    cos_sin = rope_cos_sin(dim, 4096, 500000.0, None, CUDA)
+    weights = [torch.randn(dim, device=CUDA, generator=gen).to(dtype) if qk_norm else None
+               for _ in range(2)]
+    k_cache = torch.zeros(64, page, kv_heads, dim, dtype=dtype, device=CUDA)
+    v_cache = torch.zeros_like(k_cache)
+    q = rope_store_kv(qkv, positions, slots, cos_sin, k_cache, v_cache, heads, kv_heads, dim,
+                      *weights, 1e-6)
+    ops = TorchOps()
+    rq, rk, rv = (t.reshape(tokens, -1, dim) for t in qkv.split(
+        [heads * dim, kv_heads * dim, kv_heads * dim], dim=-1))
+    if qk_norm:
+        rq, rk = ops.rmsnorm(rq, weights[0], 1e-6), ops.rmsnorm(rk, weights[1], 1e-6)
+    rq, rk = ops.rope(positions, rq, rk, cos_sin)
+    k_flat, v_flat = k_cache.view(-1, kv_heads, dim), v_cache.view(-1, kv_heads, dim)
+    # The same float32 arithmetic, one rounding: at most an ulp apart.
+    torch.testing.assert_close(q, rq, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(k_flat[slots], rk, atol=1e-2, rtol=1e-2)
+    assert torch.equal(v_flat[slots], rv)
+    untouched = torch.ones(k_flat.shape[0], dtype=torch.bool, device=CUDA)
+    untouched[slots] = False
+    assert not k_flat[untouched].any() and not v_flat[untouched].any()
+
+
+@pytest.mark.parametrize("model", ["small", "qwen3-0.6b"])
+def test_fused_rope_kv_model_matches_unfused(model):
+    runner = ModelRunner(EngineConfig(model=model, page_size=16, num_pages=256,
+                                      cuda_graph=False), "prefill")
+    assert runner.model.fuse_rope_kv
+    prompt = [random.Random(5).randrange(1000) for _ in range(200)]
+    logits = {}
+    for fused in (True, False):
+        runner.model.fuse_rope_kv = fused
+        pages = runner.pool.allocator.alloc(runner.pool.pages_for(len(prompt) + 1))
+        first = runner.forward([SeqInput(prompt, 0, pages)]).clone()
+        step = runner.forward([SeqInput([7], len(prompt), pages)]).clone()
+        logits[fused] = torch.cat([first, step])
+        runner.pool.allocator.free(pages)
+    # bf16 through many layers: compare at the scale of the logits, not element by element.
+    diff = (logits[True] - logits[False]).abs().max() / logits[False].abs().max()
+    cosine = torch.nn.functional.cosine_similarity(logits[True], logits[False], dim=-1)
+    assert diff < 3e-2 and cosine.min() > 0.999, (diff, cosine)
+
+
 @pytest.fixture(scope="module")
 def small_decode_runner():
     return ModelRunner(EngineConfig(model="small", page_size=16, num_pages=2048,

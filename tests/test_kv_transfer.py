@@ -150,3 +150,46 @@ def test_cluster_with_the_nixl_engine_matches_single_process(tiny_runner):
             assert ids == local.generate(tiny_runner, prompt, SamplingParams(max_new_tokens=10))
     finally:
         cluster.stop()
+
+
+def test_pages_released_before_commit_wait_for_a_one_sided_sender():
+    """With cuda_ipc/nixl a prefill may still be writing a reservation released before its
+    commit: its pages stay fenced until that prefill abandons or commits, or a lease later."""
+    async def scenario():
+        pool = _pool()
+        table = ReservationTable(pool, max_queued=4, wait_s=1.0, lease_timeout_s=0.3)
+        total = pool.allocator.num_free
+        table.fence_released = True
+
+        await table.reserve("a", 8, 4)
+        assert table.release("a")
+        assert pool.allocator.num_free < total and table.num_fenced_pages > 0
+        table.abandon("a")                                   # the prefill says it stopped
+        assert pool.allocator.num_free == total and table.num_fenced_pages == 0
+
+        await table.reserve("b", 8, 4)
+        table.release("b")
+        with pytest.raises(Exception, match="no reservation"):
+            table.commit("b", 8)                             # a late commit: writes are over
+        assert pool.allocator.num_free == total
+
+        await table.reserve("c", 8, 4)
+        table.abandon("c")                                   # abandoned while still held
+        assert pool.allocator.num_free == total
+
+        await table.reserve("d", 8, 4)
+        table.commit("d", 8)
+        table.release("d")                                   # committed: nothing in flight
+        assert pool.allocator.num_free == total
+
+        await table.reserve("e", 8, 4)
+        table.release("e")                                   # the prefill vanished
+        await asyncio.sleep(0.5)
+        assert pool.allocator.num_free == total              # back after one lease
+
+        table.fence_released = False                         # grpc only: freed at once
+        await table.reserve("f", 8, 4)
+        table.release("f")
+        assert pool.allocator.num_free == total
+
+    asyncio.run(scenario())

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import signal
 import time
+import urllib.request
 
 import grpc
 import pytest
 import torch
-from conftest import generate, start_roles
+from conftest import free_port, generate, start_roles
+from prometheus_client.parser import text_string_to_metric_families
 
 from kv_transfer import choose_engine, nixl_installed
 from pdserve.engine import local
@@ -40,16 +42,44 @@ def test_auto_prefers_cuda_ipc_then_nixl_then_grpc():
 AUTO = "cuda_ipc" if torch.cuda.is_available() else ("nixl" if nixl_installed() else "grpc")
 
 
-@pytest.mark.parametrize("flag, expected", [("auto", AUTO), ("grpc", "grpc")])
-def test_prefill_uses_the_engine_decode_asks_for(flag, expected, tiny_runner):
-    cluster = start_roles(["prefill", "decode"], decode_flags=["--kv-transfer", flag])
+def _transfers(metrics_port: int) -> dict[tuple[str, str], float]:
+    """pdserve_kv_transfers_total by (engine, mode), scraped from a prefill worker."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read()
+    counts = {}
+    for family in text_string_to_metric_families(text.decode()):
+        if family.name == "pdserve_kv_transfers":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    counts[sample.labels["engine"], sample.labels["mode"]] = sample.value
+    return counts
+
+
+@pytest.mark.parametrize("flag, expected, layerwise", [
+    ("auto", AUTO, True), ("auto", AUTO, False), ("grpc", "grpc", True)],
+    ids=["auto", "auto-after-prefill", "grpc"])
+def test_prefill_uses_the_engine_decode_asks_for(flag, expected, layerwise, tiny_runner):
+    metrics_port = free_port()
+    cluster = start_roles(["prefill", "decode"], decode_flags=["--kv-transfer", flag],
+                          prefill_flags=["--metrics-port", str(metrics_port)]
+                          + ([] if layerwise else ["--no-layerwise-transfer"]))
     try:
-        prompt = list(b"which engine moved me")
-        ids = generate(cluster.stub(), token_ids=generate_pb2.TokenIds(ids=prompt),
-                       sampling=generate_pb2.SamplingParams(max_new_tokens=6, ignore_eos=True))[0]
-        assert ids == local.generate(tiny_runner, prompt, SamplingParams(max_new_tokens=6))
+        # Prompts longer than a prefill chunk too: their earlier chunks' pages go with the last.
+        prompts = [list(b"which engine moved me"), list(b"a longer prompt, " * 9)]
+        for prompt in prompts:
+            ids = generate(cluster.stub(), token_ids=generate_pb2.TokenIds(ids=prompt),
+                           sampling=generate_pb2.SamplingParams(max_new_tokens=6,
+                                                                ignore_eos=True))[0]
+            assert ids == local.generate(tiny_runner, prompt, SamplingParams(max_new_tokens=6))
         used = _info(prefill_pb2_grpc.PrefillServiceStub, cluster.addresses["prefill0"])
         assert list(used.kv_transfer_engines) == [expected]
+        # The first request may find the engine still connecting; the later ones go layer-wise
+        # with a one-sided engine.
+        counts = _transfers(metrics_port)
+        assert sum(counts.values()) == len(prompts)
+        if layerwise and expected != "grpc":
+            assert counts.get((expected, "layerwise"), 0) >= 1, counts
+        else:
+            assert counts == {(expected, "after_prefill"): len(prompts)}, counts
     finally:
         cluster.stop()
 

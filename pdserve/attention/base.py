@@ -24,10 +24,16 @@ class AttentionBackend(ABC):
     def prepare_metadata(self, batch: ForwardBatch) -> None:
         """Once per step, before the forward: builds ``batch.attn_metadata``."""
 
-    @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: ForwardBatch) -> torch.Tensor:
         """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim] -> [tokens, heads, dim]."""
+        self.store_kv(k, v, layer_id, batch)
+        return self.attend(q, layer_id, batch)
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
+        """Attention of q [tokens, heads, dim] over the pool, the step's own K/V already stored
+        (by ``store_kv`` or by a kernel that fuses the store into RoPE)."""
 
     # CUDA graphs: backends that support capture override these.
     def init_capture_graph(self, max_seq_len: int, bs_list: list[int]) -> None:

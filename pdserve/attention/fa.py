@@ -2,7 +2,8 @@
 
 One kernel per layer for the whole varlen batch: fresh prompts, prompts whose prefix is already
 in the pool and later chunks of chunked prompts alike (the causal mask is aligned to the end of
-each sequence's keys). New K/V are scattered into their slots by one index_copy per cache first.
+each sequence's keys). The step's new K/V are in their slots before it runs (one index_copy
+per cache, or stored by the fused RoPE kernel).
 """
 from __future__ import annotations
 
@@ -28,9 +29,7 @@ class FlashAttentionBackend(AttentionBackend):
     def prepare_metadata(self, batch: ForwardBatch) -> None:
         batch.attn_metadata = None  # the kernel reads the batch's own tensors
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                batch: ForwardBatch) -> torch.Tensor:
-        self.store_kv(k, v, layer_id, batch)
+    def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
         return self._flash_attn(
             q, self.pool.k_cache(layer_id), self.pool.v_cache(layer_id),
             page_table=batch.page_table, cache_seqlens=batch.seq_lens_kv,

@@ -68,9 +68,7 @@ class FlashInferBackend(AttentionBackend):
                                   kv_data_type=dtype)
         batch.attn_metadata = self.prefill_wrapper
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                batch: ForwardBatch) -> torch.Tensor:
-        self.store_kv(k, v, layer_id, batch)
+    def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
         kv = (self.pool.k_cache(layer_id), self.pool.v_cache(layer_id))
         return batch.attn_metadata.run(q.contiguous(), kv)
 

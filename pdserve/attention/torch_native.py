@@ -42,11 +42,9 @@ class TorchNativeBackend(AttentionBackend):
         mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & kv_valid[:, None, :]
         batch.attn_metadata = TorchMetadata(kv_slots, q_index, q_valid, mask[:, None, None])
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                batch: ForwardBatch) -> torch.Tensor:
-        self.store_kv(k, v, layer_id, batch)
+    def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
         meta: TorchMetadata = batch.attn_metadata
-        num_kv_heads = k.shape[1]
+        num_kv_heads = self.pool.layout.num_kv_heads
         group = self.num_heads // num_kv_heads
         k_all = self.pool.k_cache(layer_id).view(-1, num_kv_heads, self.head_dim)[meta.kv_slots]
         v_all = self.pool.v_cache(layer_id).view(-1, num_kv_heads, self.head_dim)[meta.kv_slots]

@@ -1,6 +1,7 @@
 """One forward step's inputs: built from plain per-sequence lists, consumed by model + backend."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,9 @@ class ForwardBatch:
     seq_lens_kv_cpu: torch.Tensor | None = None
     page_table_cpu: torch.Tensor | None = None
     attn_metadata: Any = field(default=None)
+    # Called with l once layer l's K/V are in the pool (enqueued, on the GPU): layer-wise KV
+    # sends start there. Never set in CUDA graph captures.
+    on_layer: Callable[[int], None] | None = field(default=None, repr=False)
 
     @property
     def batch_size(self) -> int:
@@ -46,6 +50,12 @@ class ForwardBatch:
 
     @classmethod
     def build(cls, seqs: list[SeqInput], page_size: int, device: torch.device) -> ForwardBatch:
+        if all(len(s.token_ids) == 1 and s.start_pos > 0 for s in seqs):
+            return cls._build_decode(seqs, page_size, device)
+        return cls._build_any(seqs, page_size, device)
+
+    @classmethod
+    def _build_any(cls, seqs: list[SeqInput], page_size: int, device: torch.device) -> ForwardBatch:
         lens_q = [len(s.token_ids) for s in seqs]
         lens_kv = [s.end_pos for s in seqs]
         max_pages = max(len(s.page_ids) for s in seqs)
@@ -76,6 +86,39 @@ class ForwardBatch:
             logits_indices=(cu[1:] - 1).to(device),
             max_seqlen_q=max(lens_q),
             max_seqlen_kv=max(lens_kv),
+            page_size=page_size,
+            cu_seqlens_q_cpu=cu_seqlens_q,
+            seq_lens_kv_cpu=seq_lens_kv,
+            page_table_cpu=page_table,
+        )
+
+    @classmethod
+    def _build_decode(cls, seqs: list[SeqInput], page_size: int,
+                      device: torch.device) -> ForwardBatch:
+        """One new token per sequence: plain Python arithmetic, one tensor per field (the
+        decode step's host time is on the critical path at small batches)."""
+        n = len(seqs)
+        positions = [s.start_pos for s in seqs]
+        slots = [s.page_ids[p // page_size] * page_size + p % page_size
+                 for s, p in zip(seqs, positions)]
+        max_pages = max(len(s.page_ids) for s in seqs)
+        page_table = torch.tensor([s.page_ids + [0] * (max_pages - len(s.page_ids)) for s in seqs],
+                                  dtype=torch.int32)
+        cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32)
+        seq_lens_kv = torch.tensor([p + 1 for p in positions], dtype=torch.int32)
+        rows = torch.arange(n, dtype=torch.long)
+        return cls(
+            is_decode=True,
+            input_ids=torch.tensor([s.token_ids[0] for s in seqs], dtype=torch.long).to(device),
+            positions=torch.tensor(positions, dtype=torch.long).to(device),
+            seq_ids=rows.to(device),
+            cu_seqlens_q=cu_seqlens_q.to(device),
+            seq_lens_kv=seq_lens_kv.to(device),
+            page_table=page_table.to(device),
+            out_slots=torch.tensor(slots, dtype=torch.long).to(device),
+            logits_indices=rows.to(device),
+            max_seqlen_q=1,
+            max_seqlen_kv=max(positions) + 1,
             page_size=page_size,
             cu_seqlens_q_cpu=cu_seqlens_q,
             seq_lens_kv_cpu=seq_lens_kv,

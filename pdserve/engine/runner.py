@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -68,18 +69,22 @@ class ModelRunner:
         return max(2, int(kv_cache_gb * (1 << 30)) // bytes_per_page)
 
     @torch.inference_mode()
-    def forward(self, seqs: list[SeqInput]) -> torch.Tensor:
-        """Runs one step; returns float32 logits of each sequence's last new token."""
-        if self.graphs is not None and self.graphs.can_run(seqs):
+    def forward(self, seqs: list[SeqInput],
+                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Runs one step; returns float32 logits of each sequence's last new token.
+        ``on_layer(l)`` is called once layer l's K/V are in the pool (eager steps only)."""
+        if on_layer is None and self.graphs is not None and self.graphs.can_run(seqs):
             self.last_step_mode = "cuda_graph"
             return self.graphs.replay(seqs)
         self.last_step_mode = "eager"
         batch = ForwardBatch.build(seqs, self.pool.page_size, self.device)
+        batch.on_layer = on_layer
         self.attn.prepare_metadata(batch)
         return self.model(batch, self.attn)
 
     @torch.inference_mode()
-    def step(self, seqs: list[SeqInput], rows: list[SampleRow]) -> list[int]:
+    def step(self, seqs: list[SeqInput], rows: list[SampleRow],
+             on_layer: Callable[[int], None] | None = None) -> list[int]:
         """Runs one step and samples one token per sequence."""
-        tokens = sample(self.forward(seqs), rows)
+        tokens = sample(self.forward(seqs, on_layer), rows)
         return tokens.tolist()  # the step's one host sync: only the chosen ids cross

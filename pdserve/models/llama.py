@@ -30,6 +30,7 @@ class ForwardContext:
     attn: AttentionBackend
     ops: TorchOps
     cos_sin: torch.Tensor
+    fuse_rope_kv: bool = False     # RoPE and the K/V store as one kernel (ops.rope_store_kv)
 
 
 class Attention(nn.Module):
@@ -46,6 +47,15 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         cfg = self.config
+        if ctx.fuse_rope_kv:
+            pool = ctx.attn.pool
+            q = ctx.ops.rope_store_kv(
+                self.qkv_proj(x), ctx.batch.positions, ctx.batch.out_slots, ctx.cos_sin,
+                pool.k_cache(self.layer_id), pool.v_cache(self.layer_id), cfg.num_heads,
+                cfg.num_kv_heads, cfg.head_dim, self.q_norm.weight if cfg.qk_norm else None,
+                self.k_norm.weight if cfg.qk_norm else None, cfg.rms_norm_eps)
+            out = ctx.attn.attend(q, self.layer_id, ctx.batch)
+            return self.o_proj(out.reshape(-1, cfg.q_size))
         q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -104,6 +114,7 @@ class CausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.cos_sin: torch.Tensor | None = None
         self.ops: TorchOps = TorchOps()
+        self.fuse_rope_kv = False
 
     def prepare(self, device: torch.device, ops: TorchOps) -> None:
         """Builds the RoPE table on ``device`` and picks the elementwise kernels."""
@@ -111,15 +122,18 @@ class CausalLM(nn.Module):
         self.cos_sin = rope_cos_sin(cfg.head_dim, cfg.max_model_len, cfg.rope_theta,
                                     cfg.rope_scaling, device)
         self.ops = ops
+        self.fuse_rope_kv = ops.fuses_rope_kv(cfg.head_dim)
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Float32 logits [batch, vocab]."""
         assert self.cos_sin is not None, "prepare() first"
-        ctx = ForwardContext(batch, attn, self.ops, self.cos_sin)
+        ctx = ForwardContext(batch, attn, self.ops, self.cos_sin, self.fuse_rope_kv)
         x = self.embed_tokens(batch.input_ids)
         residual = None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, ctx)
+            if batch.on_layer is not None:
+                batch.on_layer(i)
         rows = batch.logits_indices
         x, _ = self.ops.add_rmsnorm(x[rows], residual[rows], self.norm.weight, self.norm.eps)
         weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight

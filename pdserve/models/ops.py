@@ -12,6 +12,10 @@ class TorchOps:
 
     name = "torch"
 
+    def fuses_rope_kv(self, head_dim: int) -> bool:
+        """Whether ``rope_store_kv`` (RoPE + the K/V store in one kernel) takes this head dim."""
+        return False
+
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
@@ -62,6 +66,22 @@ class CudaOps(TorchOps):
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return self._k.silu_and_mul(x)
+
+    def fuses_rope_kv(self, head_dim: int) -> bool:
+        from pdserve.models import rope_kv_kernel
+
+        return rope_kv_kernel.supports(head_dim)
+
+    def rope_store_kv(self, qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                      cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      num_heads: int, num_kv_heads: int, head_dim: int,
+                      q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+                      eps: float) -> torch.Tensor:
+        """(q/k RMSNorm,) RoPE and the K/V store of one layer in one kernel; returns q."""
+        from pdserve.models.rope_kv_kernel import rope_store_kv
+
+        return rope_store_kv(qkv, positions, slots, cos_sin, k_cache, v_cache, num_heads,
+                             num_kv_heads, head_dim, q_norm, k_norm, eps)
 
     def rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
              cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -58,3 +58,13 @@ class CommitRequest(_message.Message):
 class CommitResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class AbandonRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class AbandonResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -50,6 +50,11 @@ class KVTransferServiceStub:
                 request_serializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.CommitRequest.SerializeToString,
                 response_deserializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.CommitResponse.FromString,
                 _registered_method=True)
+        self.Abandon = channel.unary_unary(
+                '/pdserve.v1.KVTransferService/Abandon',
+                request_serializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.AbandonRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.AbandonResponse.FromString,
+                _registered_method=True)
 
 
 class KVTransferServiceServicer:
@@ -78,6 +83,15 @@ class KVTransferServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Abandon(self, request, context):
+        """The sender gives a request up (cancelled or failed before its commit) and
+        will write no more of its pages: a reservation released meanwhile may have
+        its pages reused now, and one still held is released. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTransferServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +109,11 @@ def add_KVTransferServiceServicer_to_server(servicer, server):
                     servicer.Commit,
                     request_deserializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.CommitRequest.FromString,
                     response_serializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.CommitResponse.SerializeToString,
+            ),
+            'Abandon': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abandon,
+                    request_deserializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.AbandonRequest.FromString,
+                    response_serializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.AbandonResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,6 +198,33 @@ class KVTransferService:
             '/pdserve.v1.KVTransferService/Commit',
             protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.CommitRequest.SerializeToString,
             protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.CommitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abandon(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVTransferService/Abandon',
+            protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.AbandonRequest.SerializeToString,
+            protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.AbandonResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,90 @@
+"""One Triton kernel for the step between a layer's QKV projection and its attention: optional
+per-head RMSNorm of q and k (Qwen3), Neox RoPE of q and k from the float32 cos/sin table, and the
+store of the new K and V into their pool slots. It reads the fused QKV output in place (strided
+rows), so it replaces two contiguous copies, the RoPE kernel and two scatters per layer.
+
+Arithmetic follows ``TorchOps``: the norm in float32 rounded to the activations' dtype and
+scaled by the weight in that dtype, then the rotation in float32 rounded once.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rope_store_kv(qkv, q_out, k_cache, v_cache, positions, slots, cos_sin, q_norm_w, k_norm_w,
+                   eps, qkv_stride, num_heads, num_kv_heads, HEAD_DIM: tl.constexpr,
+                   BLOCK_H: tl.constexpr, QK_NORM: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)                  # 0: the q heads, 1: the k heads, 2: the v heads
+    HALF: tl.constexpr = HEAD_DIM // 2
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, HALF)[None, :]
+    first_col = tl.where(part == 0, 0, tl.where(part == 1, num_heads, num_heads + num_kv_heads))
+    num = tl.where(part == 0, num_heads, num_kv_heads)
+    first_col = first_col * HEAD_DIM
+    mask = (heads < num) & (dims < HALF)
+    src = qkv + token * qkv_stride + first_col + heads * HEAD_DIM + dims
+    x1 = tl.load(src, mask=mask, other=0.0)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0)
+    slot = tl.load(slots + token).to(tl.int64)
+    kv_offsets = slot * num_kv_heads * HEAD_DIM + heads * HEAD_DIM + dims
+    if part == 2:
+        tl.store(v_cache + kv_offsets, x1, mask=mask)
+        tl.store(v_cache + kv_offsets + HALF, x2, mask=mask)
+    else:
+        a = x1.to(tl.float32)
+        b = x2.to(tl.float32)
+        if QK_NORM:
+            if part == 0:
+                w1 = tl.load(q_norm_w + dims)
+                w2 = tl.load(q_norm_w + HALF + dims)
+            else:
+                w1 = tl.load(k_norm_w + dims)
+                w2 = tl.load(k_norm_w + HALF + dims)
+            rstd = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / HEAD_DIM + eps)
+            # weight * normed in the activations' dtype: a float32 product rounded once.
+            a = (w1.to(tl.float32) * (a * rstd[:, None]).to(x1.dtype).to(tl.float32)).to(x1.dtype)
+            b = (w2.to(tl.float32) * (b * rstd[:, None]).to(x2.dtype).to(tl.float32)).to(x2.dtype)
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        pos = tl.load(positions + token).to(tl.int64)
+        cos = tl.load(cos_sin + pos * HEAD_DIM + dims)
+        sin = tl.load(cos_sin + pos * HEAD_DIM + HALF + dims)
+        o1 = (a * cos - b * sin).to(x1.dtype)
+        o2 = (b * cos + a * sin).to(x1.dtype)
+        if part == 0:
+            dst = q_out + token * num_heads * HEAD_DIM + heads * HEAD_DIM + dims
+        else:
+            dst = k_cache + kv_offsets
+        tl.store(dst, o1, mask=mask)
+        tl.store(dst + HALF, o2, mask=mask)
+
+
+def supports(head_dim: int) -> bool:
+    """Power-of-two head dims (the kernel tiles half a head)."""
+    return head_dim >= 32 and head_dim & (head_dim - 1) == 0
+
+
+def rope_store_kv(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                  cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  num_heads: int, num_kv_heads: int, head_dim: int,
+                  q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                  eps: float = 1e-6) -> torch.Tensor:
+    """qkv: [tokens, (heads + 2 kv_heads) * dim] (rows may be strided); cos_sin: [positions, dim]
+    float32; k_cache/v_cache: one layer's contiguous [pages, page_size, kv_heads, dim].
+    Writes K and V at ``slots``; returns the rotated q [tokens, heads, dim]."""
+    tokens = qkv.shape[0]
+    q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if tokens == 0:
+        return q
+    assert qkv.stride(1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    qk_norm = q_norm is not None
+    _rope_store_kv[(tokens, 3)](
+        qkv, q, k_cache, v_cache, positions, slots, cos_sin,
+        q_norm if qk_norm else cos_sin, k_norm if qk_norm else cos_sin, eps,
+        qkv.stride(0), num_heads, num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(max(num_heads, num_kv_heads)), QK_NORM=qk_norm)
+    return q
