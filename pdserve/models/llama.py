@@ -127,7 +127,11 @@ class CausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Float32 logits [batch, vocab]."""
         assert self.cos_sin is not None, "prepare() first"
-        ctx = ForwardContext(batch, attn, self.ops, self.cos_sin, self.fuse_rope_kv)
+        # The fused kernel is a Triton kernel: inside a CUDA graph it saves four kernels per
+        # layer; launched eagerly its Python launcher costs more than it saves.
+        fuse = self.fuse_rope_kv and torch.cuda.is_available() and \
+            torch.cuda.is_current_stream_capturing()
+        ctx = ForwardContext(batch, attn, self.ops, self.cos_sin, fuse)
         x = self.embed_tokens(batch.input_ids)
         residual = None
         for i, layer in enumerate(self.layers):
