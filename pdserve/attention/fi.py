@@ -35,6 +35,7 @@ class FlashInferBackend(AttentionBackend):
             self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores)
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.graph_wrappers: dict[int, Any] = {}
+        self._indices_staging: torch.Tensor | None = None   # set up with the CUDA graphs
 
     def _paged_kv(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(indptr, page indices, last page lengths) on the host, as plan() takes them."""
@@ -50,10 +51,19 @@ class FlashInferBackend(AttentionBackend):
 
     def _plan_decode(self, wrapper: Any, batch: ForwardBatch) -> None:
         indptr, indices, last = self._paged_kv(batch)
+        if self._indices_staging is not None and indices.numel() <= self._indices_staging.numel():
+            # plan() copies host page indices with a blocking copy, which waits for the GPU to
+            # finish the previous step; a device copy through page-locked staging does not.
+            n = indices.numel()
+            self._indices_uploaded.synchronize()  # the last upload has left the staging
+            self._indices_staging[:n].copy_(indices)
+            self._indices_device[:n].copy_(self._indices_staging[:n], non_blocking=True)
+            self._indices_uploaded.record()
+            indices = self._indices_device[:n]
         dtype = self.pool.tensor.dtype
         wrapper.plan(indptr, indices, last, self.num_heads, self.pool.layout.num_kv_heads,
                      self.head_dim, batch.page_size, q_data_type=dtype, kv_data_type=dtype,
-                     sm_scale=self.scale)
+                     sm_scale=self.scale, seq_lens=batch.seq_lens_kv_cpu)
 
     def prepare_metadata(self, batch: ForwardBatch) -> None:
         if batch.is_decode:
@@ -75,6 +85,10 @@ class FlashInferBackend(AttentionBackend):
     # CUDA graphs (decode only)
     def init_capture_graph(self, max_seq_len: int, bs_list: list[int]) -> None:
         device = self.pool.tensor.device
+        most_pages = self.pool.num_pages + max(bs_list)
+        self._indices_staging = torch.zeros(most_pages, dtype=torch.int32).pin_memory()
+        self._indices_device = torch.zeros(most_pages, dtype=torch.int32, device=device)
+        self._indices_uploaded = torch.cuda.Event()
         for bs in bs_list:
             # A step never references more pages than the pool has, plus one per padding row.
             max_pages = min(bs * -(-max_seq_len // self.pool.page_size), self.pool.num_pages + bs)

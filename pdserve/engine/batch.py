@@ -50,7 +50,7 @@ class ForwardBatch:
 
     @classmethod
     def build(cls, seqs: list[SeqInput], page_size: int, device: torch.device) -> ForwardBatch:
-        if all(len(s.token_ids) == 1 and s.start_pos > 0 for s in seqs):
+        if all(len(s.token_ids) == 1 for s in seqs):
             return cls._build_decode(seqs, page_size, device)
         return cls._build_any(seqs, page_size, device)
 
@@ -95,7 +95,7 @@ class ForwardBatch:
     @classmethod
     def _build_decode(cls, seqs: list[SeqInput], page_size: int,
                       device: torch.device) -> ForwardBatch:
-        """One new token per sequence: plain Python arithmetic, one tensor per field (the
+        """One new token per sequence (decode steps, padded graph batches): plain Python arithmetic, one tensor per field (the
         decode step's host time is on the critical path at small batches)."""
         n = len(seqs)
         positions = [s.start_pos for s in seqs]
@@ -108,7 +108,7 @@ class ForwardBatch:
         seq_lens_kv = torch.tensor([p + 1 for p in positions], dtype=torch.int32)
         rows = torch.arange(n, dtype=torch.long)
         return cls(
-            is_decode=True,
+            is_decode=any(p > 0 for p in positions),
             input_ids=torch.tensor([s.token_ids[0] for s in seqs], dtype=torch.long).to(device),
             positions=torch.tensor(positions, dtype=torch.long).to(device),
             seq_ids=rows.to(device),
