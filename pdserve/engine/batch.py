@@ -95,8 +95,8 @@ class ForwardBatch:
     @classmethod
     def _build_decode(cls, seqs: list[SeqInput], page_size: int,
                       device: torch.device) -> ForwardBatch:
-        """One new token per sequence (decode steps, padded graph batches): plain Python arithmetic, one tensor per field (the
-        decode step's host time is on the critical path at small batches)."""
+        """One new token per sequence (decode steps, padded graph batches): plain Python
+        arithmetic, one tensor per field (a decode step's host time is on its critical path)."""
         n = len(seqs)
         positions = [s.start_pos for s in seqs]
         slots = [s.page_ids[p // page_size] * page_size + p % page_size
