@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -17,7 +18,7 @@ from kv_transfer import host_identity
 from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2
 
 log = logging.getLogger(__name__)
-POLL_S = 0.0001
+POLL_S = 0.00002
 
 
 @dataclass
@@ -140,19 +141,27 @@ class PageWrite(ABC):
     def landed(self) -> bool:
         """Whether everything started so far has completed (or failed)."""
 
+    def _block_until_landed(self, limit_s: float) -> bool:
+        deadline = time.monotonic() + limit_s
+        while not (self.sealed and self.landed()):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(POLL_S)
+        return True
+
+    async def _until_landed(self, limit_s: float) -> bool:
+        """Waits on a thread: the event loop's timers are too coarse (about 1 ms) for a copy
+        that takes microseconds."""
+        if self.sealed and self.landed():
+            return True
+        return await asyncio.to_thread(self._block_until_landed, limit_s)
+
     async def settle(self, limit_s: float = 60.0) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + limit_s
-        while not (self.sealed and self.landed()) and loop.time() < deadline:
-            await asyncio.sleep(POLL_S)
+        await self._until_landed(limit_s)
 
     async def wait(self, timeout_s: float) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while not (self.sealed and self.landed()):
-            if loop.time() > deadline:
-                raise TransferFailed(f"KV write to {self.address} timed out after {timeout_s:g} s")
-            await asyncio.sleep(POLL_S)
+        if not await self._until_landed(timeout_s):
+            raise TransferFailed(f"KV write to {self.address} timed out after {timeout_s:g} s")
         if self.error is not None:
             raise TransferFailed(f"KV write to {self.address} failed: {self.error}") from self.error
         if self.layers_sent < self.num_layers:
