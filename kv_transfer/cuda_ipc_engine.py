@@ -8,6 +8,7 @@ The handle travels pickled: both ends are our own processes on one host, behind 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import pickle
 from typing import Any
 
@@ -115,11 +116,26 @@ class CudaIpcSender(TransferSender):
 
 
 def _enable_peer_access(local: torch.Tensor, remote: torch.Tensor) -> None:
-    """Lets kernels on ``local``'s GPU write ``remote``'s (two GPUs of one host)."""
+    """Lets kernels on ``local``'s GPU read and write ``remote``'s memory (two GPUs of one
+    host): cudaDeviceEnablePeerAccess through the CUDA runtime PyTorch has loaded."""
     if not torch.cuda.can_device_access_peer(local.device, remote.device):
         raise TransferFailed(f"{local.device} cannot access {remote.device} directly (no peer "
                              "access): use nixl or grpc between these GPUs")
-    # PyTorch enables peer access (source GPU to destination GPU) for a device-to-device copy;
-    # this one writes the null page, which is never handed out.
-    remote[0, 0, 0].copy_(local[0, 0, 0])
-    torch.cuda.synchronize(local.device)
+    cudart = ctypes.CDLL(_loaded_cudart())
+    with torch.cuda.device(local.device):
+        torch.cuda.synchronize()  # the runtime's current device is now ``local``'s
+        code = cudart.cudaDeviceEnablePeerAccess(ctypes.c_int(remote.device.index),
+                                                 ctypes.c_uint(0))
+    if code not in (0, 704):  # 704: cudaErrorPeerAccessAlreadyEnabled
+        raise TransferFailed(f"cudaDeviceEnablePeerAccess({local.device} -> {remote.device}) "
+                             f"failed with CUDA error {code}")
+
+
+def _loaded_cudart() -> str:
+    """Path of the CUDA runtime library loaded in this process (PyTorch's own)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split()[-1]
+            if "libcudart.so" in path:
+                return path
+    return "libcudart.so"
