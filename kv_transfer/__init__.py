@@ -42,12 +42,23 @@ def offered_engines(pool_on_cuda: bool) -> list[str]:
     return (["cuda_ipc"] if pool_on_cuda else []) + (["nixl"] if nixl_installed() else []) + ["grpc"]
 
 
+def gpu_uuid(device: object) -> str:
+    """The UUID of a CUDA device (empty for other devices): names one GPU across processes
+    whatever their CUDA_VISIBLE_DEVICES."""
+    import torch
+
+    if getattr(device, "type", None) != "cuda":
+        return ""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
 def choose_engine(offered: list[str], same_host: bool, local_on_cuda: bool,
-                  remote_on_cuda: bool) -> tuple[str, str]:
-    """``--kv-transfer auto``: cuda_ipc within a host with CUDA on both sides, else nixl where
-    both sides have it, else grpc. Returns (engine, reason)."""
-    if "cuda_ipc" in offered and same_host and local_on_cuda and remote_on_cuda:
-        return "cuda_ipc", "same host, both pools on CUDA"
+                  remote_on_cuda: bool, same_gpu: bool = True) -> tuple[str, str]:
+    """``--kv-transfer auto``: cuda_ipc for two pools on one GPU, else nixl where both sides
+    have it, else grpc. Returns (engine, reason). (cuda_ipc between two GPUs of a host is not
+    supported yet: Triton refuses the peer GPU's IPC-mapped pointer.)"""
+    if "cuda_ipc" in offered and same_host and local_on_cuda and remote_on_cuda and same_gpu:
+        return "cuda_ipc", "same host, both pools on one GPU"
     if "nixl" in offered and nixl_installed():
         return "nixl", ("NIXL on both sides" + ("" if same_host else ", different hosts")
                         + ("" if local_on_cuda == remote_on_cuda else ", mixed memory"))

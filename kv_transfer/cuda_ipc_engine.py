@@ -1,14 +1,14 @@
 """`cuda_ipc`: prefill and decode processes on one host. The decode pool is exported once through
 CUDA IPC at the handshake; prefill maps it and copies the request's pages GPU to GPU with one
 kernel launch per layer (sent while the next layer is computed) or per request, no host staging.
-Across two GPUs of one host the copy kernel writes the other GPU's memory over peer access.
+Both pools must be on one GPU: across two GPUs Triton refuses the peer GPU's IPC-mapped
+pointer (seen on 2x H200), so auto picks nixl or grpc there.
 
 The handle travels pickled: both ends are our own processes on one host, behind the handshake.
 """
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import pickle
 from typing import Any
 
@@ -98,7 +98,9 @@ class CudaIpcSender(TransferSender):
         remote = rebuild_cuda_tensor(*exported["args"])
         local = self.pool.tensor
         if remote.device != local.device:
-            await asyncio.to_thread(_enable_peer_access, local, remote)
+            raise TransferFailed(
+                f"decode {peer.address} keeps its KV on {remote.device}, we on {local.device}: "
+                "cuda_ipc between two GPUs is not supported yet (use nixl or grpc)")
         # Compile the copy kernel now, off the event loop, with a copy of the null page onto
         # itself (page 0 is never handed out on either side).
         null = torch.zeros(1, dtype=torch.int32, device=local.device)
@@ -113,29 +115,3 @@ class CudaIpcSender(TransferSender):
 
     def start_write(self, address: str, src_pages: list[int], dst_pages: list[int]) -> PageWrite:
         return _IpcWrite(self, self._remote_pools[address], src_pages, dst_pages, address)
-
-
-def _enable_peer_access(local: torch.Tensor, remote: torch.Tensor) -> None:
-    """Lets kernels on ``local``'s GPU read and write ``remote``'s memory (two GPUs of one
-    host): cudaDeviceEnablePeerAccess through the CUDA runtime PyTorch has loaded."""
-    if not torch.cuda.can_device_access_peer(local.device, remote.device):
-        raise TransferFailed(f"{local.device} cannot access {remote.device} directly (no peer "
-                             "access): use nixl or grpc between these GPUs")
-    cudart = ctypes.CDLL(_loaded_cudart())
-    with torch.cuda.device(local.device):
-        torch.cuda.synchronize()  # the runtime's current device is now ``local``'s
-        code = cudart.cudaDeviceEnablePeerAccess(ctypes.c_int(remote.device.index),
-                                                 ctypes.c_uint(0))
-    if code not in (0, 704):  # 704: cudaErrorPeerAccessAlreadyEnabled
-        raise TransferFailed(f"cudaDeviceEnablePeerAccess({local.device} -> {remote.device}) "
-                             f"failed with CUDA error {code}")
-
-
-def _loaded_cudart() -> str:
-    """Path of the CUDA runtime library loaded in this process (PyTorch's own)."""
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            path = line.split()[-1]
-            if "libcudart.so" in path:
-                return path
-    return "libcudart.so"

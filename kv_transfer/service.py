@@ -5,7 +5,7 @@ import logging
 
 import grpc
 
-from kv_transfer import RECEIVERS, create_receiver, host_identity, offered_engines
+from kv_transfer import RECEIVERS, create_receiver, gpu_uuid, host_identity, offered_engines
 from kv_transfer.base import TransferSink
 from kv_transfer.grpc_engine import GrpcReceiver
 from pdserve.errors import LayoutMismatch
@@ -50,7 +50,8 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
         if diff:
             raise LayoutMismatch(f"KV layout mismatch ({diff})")
         on_cuda = self.pool.tensor.device.type == "cuda"
-        about_us = dict(engines=offered_engines(on_cuda), host=host_identity(), on_cuda=on_cuda)
+        about_us = dict(engines=offered_engines(on_cuda), host=host_identity(), on_cuda=on_cuda,
+                        gpu_uuid=gpu_uuid(self.pool.tensor.device))
         if request.engine == "auto":
             return kv_transfer_pb2.HandshakeResponse(**about_us)
         log.info("prefill %s writes KV with the %r engine (%s)", context.peer(), request.engine,

@@ -21,7 +21,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from kv_transfer import choose_engine, create_sender, host_identity
+from kv_transfer import choose_engine, create_sender, gpu_uuid, host_identity
 from kv_transfer.base import KVTarget, PageWrite, TransferSender, query_offer
 from pdserve.engine.batch import SeqInput
 from pdserve.engine.runner import ModelRunner
@@ -300,7 +300,8 @@ class PrefillScheduler:
         if target.address not in self._auto_engines:
             offer = await query_offer(target.address, self.pool.layout, self.transfer_timeout_s)
             engine, reason = choose_engine(list(offer.engines), offer.host == host_identity(),
-                                           self.pool.tensor.device.type == "cuda", offer.on_cuda)
+                                           self.pool.tensor.device.type == "cuda", offer.on_cuda,
+                                           offer.gpu_uuid == gpu_uuid(self.pool.tensor.device))
             log.info("KV transfer to %s: %r engine (%s)", target.address, engine, reason)
             self._auto_engines[target.address] = (engine, reason)
         return self._auto_engines[target.address]

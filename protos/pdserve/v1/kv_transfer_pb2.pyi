@@ -20,16 +20,18 @@ class HandshakeRequest(_message.Message):
     def __init__(self, layout: _Optional[_Union[_worker_pb2.KVLayout, _Mapping]] = ..., engine: _Optional[str] = ..., host: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("engine_metadata", "engines", "host", "on_cuda")
+    __slots__ = ("engine_metadata", "engines", "host", "on_cuda", "gpu_uuid")
     ENGINE_METADATA_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     ON_CUDA_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     engine_metadata: bytes
     engines: _containers.RepeatedScalarFieldContainer[str]
     host: str
     on_cuda: bool
-    def __init__(self, engine_metadata: _Optional[bytes] = ..., engines: _Optional[_Iterable[str]] = ..., host: _Optional[str] = ..., on_cuda: _Optional[bool] = ...) -> None: ...
+    gpu_uuid: str
+    def __init__(self, engine_metadata: _Optional[bytes] = ..., engines: _Optional[_Iterable[str]] = ..., host: _Optional[str] = ..., on_cuda: _Optional[bool] = ..., gpu_uuid: _Optional[str] = ...) -> None: ...
 
 class PageChunk(_message.Message):
     __slots__ = ("request_id", "page_ids", "data")
