@@ -7,11 +7,8 @@ from __future__ import annotations
 
 import argparse
 import random
-import re
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,15 +19,9 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import write_results  # noqa: E402
+from common import start_up, write_results  # noqa: E402
 
 from protos.pdserve.v1 import generate_pb2, generate_pb2_grpc  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _one_request(stub, prompt: list[int], max_new: int) -> dict[str, float]:
@@ -63,21 +54,9 @@ def main() -> None:
     parser.add_argument("--up-args", default="--kv-cache-gb 8", help="more flags for pdserve up")
     parser.add_argument("--out", default="bench/results/cluster.json")
     args = parser.parse_args()
-    port = _free_port()
-    cmd = [sys.executable, "-m", "pdserve", "up", "--port", str(port), "--model", args.model,
-           "--log-level", "WARNING", *args.up_args.split()]
-    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    workers = {}
+    process, router, _ = start_up(["--model", args.model, *args.up_args.split()])
     try:
-        for line in process.stdout:
-            match = re.match(r"(\w+)\s+grpc=(\S+)", line)
-            if match:
-                workers[match[1]] = match[2]
-            if "ready" in line:
-                break
-        else:
-            raise SystemExit(f"pdserve up exited with {process.wait()}")
-        stub = generate_pb2_grpc.GenerationServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        stub = generate_pb2_grpc.GenerationServiceStub(grpc.insecure_channel(router))
         rng = random.Random(0)
         vocab = stub.GetModelInfo(generate_pb2.GetModelInfoRequest()).vocab_size
         _one_request(stub, [rng.randrange(vocab) for _ in range(args.prompt_len)], 4)  # warm-up

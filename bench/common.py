@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import json
 import platform
+import re
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -47,3 +51,25 @@ def write_results(path: str, name: str, results: dict[str, Any]) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(payload, indent=1))
     print(f"wrote {path}")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_up(flags: list[str]) -> tuple[subprocess.Popen, str, dict[str, str]]:
+    """Runs `pdserve up FLAGS` on a free port until it says ready. Returns the process, the
+    router's address and each worker's metrics address (host:port) by role name."""
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--port", str(port),
+                                "--log-level", "WARNING", *flags], stdout=subprocess.PIPE, text=True)
+    metrics = {}
+    for line in process.stdout:
+        match = re.match(r"(\w+)\s+grpc=\S+\s+metrics=http://(\S+)/metrics", line)
+        if match:
+            metrics[match[1]] = match[2]
+        if "ready" in line:
+            return process, f"127.0.0.1:{port}", metrics
+    raise SystemExit(f"pdserve up exited with {process.wait()}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ from common import copy_bandwidth_bytes_per_s, cuda_time_ms, write_results  # no
 
 from pdserve.config import EngineConfig  # noqa: E402
 from pdserve.engine.batch import SeqInput  # noqa: E402
+from pdserve.engine.cuda_graph import PADDING_ROW  # noqa: E402
 from pdserve.engine.runner import ModelRunner  # noqa: E402
 from pdserve.engine.sampling import SampleRow, SamplingParams, sample  # noqa: E402
 
@@ -28,11 +30,9 @@ def _host_breakdown(runner: ModelRunner, seqs: list[SeqInput], params: list[Samp
                     iters: int = 50) -> dict[str, float]:
     """Host microseconds of each part of a graph step, the GPU idle before each part: what the
     step costs beyond the replay when nothing overlaps it."""
-    import time
-
     graphs = runner.graphs
     bs = next(s for s in graphs.bs_list if s >= len(seqs))
-    padded = seqs + [graphs_padding()] * (bs - len(seqs))
+    padded = seqs + [PADDING_ROW] * (bs - len(seqs))
     parts = {"build_inputs": 0.0, "plan_attention": 0.0, "launch_replay": 0.0,
              "sample_and_sync": 0.0}
     for _ in range(iters):
@@ -51,12 +51,6 @@ def _host_breakdown(runner: ModelRunner, seqs: list[SeqInput], params: list[Samp
         for key, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t5 - t4)):
             parts[key] += dt
     return {key: round(v / iters * 1e6, 1) for key, v in parts.items()}
-
-
-def graphs_padding() -> SeqInput:
-    from pdserve.engine.cuda_graph import PADDING_ROW
-
-    return PADDING_ROW
 
 
 def main() -> None:

@@ -15,11 +15,8 @@ from __future__ import annotations
 
 import argparse
 import random
-import re
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 import urllib.request
@@ -30,16 +27,10 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import write_results  # noqa: E402
+from common import start_up, write_results  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from protos.pdserve.v1 import generate_pb2, generate_pb2_grpc  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _histograms(metrics_address: str) -> dict[str, tuple[float, float]]:
@@ -71,23 +62,12 @@ def _request(stub, prompt: list[int]) -> tuple[float, float]:
 
 
 def _run(args: argparse.Namespace, engine: str, layerwise: bool) -> list[dict]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "pdserve", "up", "--port", str(port), "--model", args.model,
-           "--log-level", "WARNING", "--kv-transfer", engine,
-           *args.up_args.split(), *([] if layerwise else ["--no-layerwise-transfer"])]
-    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    metrics = {}
+    process, router, metrics = start_up([
+        "--model", args.model, "--kv-transfer", engine, *args.up_args.split(),
+        *([] if layerwise else ["--no-layerwise-transfer"])])
     try:
-        for line in process.stdout:
-            match = re.match(r"(\w+)\s+grpc=\S+\s+metrics=http://(\S+)/metrics", line)
-            if match:
-                metrics[match[1]] = match[2]
-            if "ready" in line:
-                break
-        else:
-            raise SystemExit(f"pdserve up exited with {process.wait()}")
         prefill = next(address for role, address in metrics.items() if role.startswith("prefill"))
-        stub = generate_pb2_grpc.GenerationServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        stub = generate_pb2_grpc.GenerationServiceStub(grpc.insecure_channel(router))
         vocab = stub.GetModelInfo(generate_pb2.GetModelInfoRequest()).vocab_size
         rng = random.Random(0)
         rows = []

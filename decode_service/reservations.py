@@ -155,7 +155,7 @@ class ReservationTable:
             res.lease.cancel()
         return res
 
-    def release(self, request_id: str) -> bool:
+    def release(self, request_id: str, fence: bool = True) -> bool:
         """Frees a reservation's pages; False if there was none. Pages that a one-sided engine
         may still be writing (not committed yet) are fenced until the sender abandons."""
         res = self._by_id.pop(request_id, None)
@@ -163,7 +163,7 @@ class ReservationTable:
             return False
         if res.lease:
             res.lease.cancel()
-        if self.fence_released and res.state is State.RESERVED:
+        if fence and self.fence_released and res.state is State.RESERVED:
             timer = asyncio.get_running_loop().call_later(self.lease_timeout_s, self._unfence,
                                                           request_id)
             self._fenced[request_id] = (res.pages, timer)
@@ -174,7 +174,7 @@ class ReservationTable:
 
     def abandon(self, request_id: str) -> None:
         """The prefill side writes no more for ``request_id``: free it, fenced or held."""
-        self.release(request_id)
+        self.release(request_id, fence=False)
         self._unfence(request_id)
 
     def _unfence(self, request_id: str) -> None:

@@ -141,9 +141,14 @@ class PageWrite(ABC):
     def landed(self) -> bool:
         """Whether everything started so far has completed (or failed)."""
 
+    @property
+    def done(self) -> bool:
+        """No more layers will be sent and every one sent has landed."""
+        return self.sealed and self.landed()
+
     def _block_until_landed(self, limit_s: float) -> bool:
         deadline = time.monotonic() + limit_s
-        while not (self.sealed and self.landed()):
+        while not self.done:
             if time.monotonic() > deadline:
                 return False
             time.sleep(POLL_S)
@@ -152,7 +157,7 @@ class PageWrite(ABC):
     async def _until_landed(self, limit_s: float) -> bool:
         """Waits on a thread: the event loop's timers are too coarse (about 1 ms) for a copy
         that takes microseconds."""
-        if self.sealed and self.landed():
+        if self.done:
             return True
         return await asyncio.to_thread(self._block_until_landed, limit_s)
 
@@ -182,7 +187,7 @@ class TransferSender(ABC):
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool
         self._peers: dict[str, DecodePeer] = {}
-        self._connected: set[str] = set()
+        self._connecting: dict[str, asyncio.Task] = {}   # address -> handshake + set-up
 
     def peer(self, address: str) -> DecodePeer:
         if address not in self._peers:
@@ -190,20 +195,24 @@ class TransferSender(ABC):
         return self._peers[address]
 
     async def prepare(self, address: str, timeout_s: float, reason: str = "") -> None:
-        """Handshake and engine set-up with a decode worker (once; later calls return at once)."""
-        if address in self._connected:
-            return
+        """Handshake and engine set-up with a decode worker, once: concurrent callers share
+        one attempt, and a failed attempt is retried by the next caller."""
+        connecting = self._connecting.get(address)
+        if connecting is None or (connecting.done() and not self.ready(address)):
+            connecting = asyncio.get_running_loop().create_task(
+                self._handshake_and_connect(address, timeout_s, reason))
+            self._connecting[address] = connecting
+        await asyncio.shield(connecting)
+
+    async def _handshake_and_connect(self, address: str, timeout_s: float, reason: str) -> None:
         peer = self.peer(address)
-        try:
-            await peer.handshake(self.pool.layout, self.name, timeout_s, reason)
-        except grpc.aio.AioRpcError as err:
-            raise TransferFailed(f"KV transfer to {address} failed: "
-                                 f"{err.code().name}: {err.details()}") from err
+        await peer.handshake(self.pool.layout, self.name, timeout_s, reason)
         await self._connect(peer)
-        self._connected.add(address)
 
     def ready(self, address: str) -> bool:
-        return address in self._connected
+        connecting = self._connecting.get(address)
+        return (connecting is not None and connecting.done() and not connecting.cancelled()
+                and connecting.exception() is None)
 
     async def _connect(self, peer: DecodePeer) -> None:
         """Engine-specific set-up after the handshake (map the remote pool, add its agent)."""
@@ -221,7 +230,7 @@ class TransferSender(ABC):
         if self.one_sided:
             write = self.start_write(target.address, src_pages, target.page_ids)
             try:
-                await self.launch(write)
+                write.send_all()
                 await write.wait(timeout_s)
             except BaseException:
                 await asyncio.shield(write.settle())  # no stray writes once we give up
@@ -232,10 +241,6 @@ class TransferSender(ABC):
                                                 timeout_s), target)
         await self.commit(target, num_tokens, timeout_s)
         return moved
-
-    async def launch(self, write: PageWrite) -> None:
-        """Sends every layer of ``write`` now (after the step)."""
-        write.send_all()
 
     async def commit(self, target: KVTarget, num_tokens: int, timeout_s: float) -> None:
         await self._wrap(self.peer(target.address).commit(target.request_id, num_tokens,

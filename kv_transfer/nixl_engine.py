@@ -21,6 +21,7 @@ from types import ModuleType
 from typing import Any
 
 import numpy as np
+import torch
 
 from kv_transfer.base import DecodePeer, PageWrite, TransferSender, TransferSink
 from pdserve.errors import TransferFailed
@@ -101,8 +102,6 @@ class _NixlWrite(PageWrite):
     def _send(self, layer: int) -> None:
         event = None
         if self.sender.pool.tensor.device.type == "cuda":
-            import torch
-
             event = torch.cuda.Event()
             event.record()
         self.futures.append(self.sender.thread.submit(self.sender.post_layer, self, layer, event))

@@ -18,6 +18,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -145,7 +146,7 @@ class PrefillScheduler:
 
     def _release(self, task: PrefillTask) -> None:
         """Frees the task's pages once no write is reading them."""
-        if task.write is not None and not (task.write.sealed and task.write.landed()):
+        if task.write is not None and not task.write.done:
             write = task.write
 
             async def later() -> None:
@@ -206,15 +207,10 @@ class PrefillScheduler:
             self.metrics.batch_tokens.observe(sum(n for _, n in plan))
             self.metrics.batch_requests.observe(len(plan))
             writes = self._start_layerwise([t for t, n in plan if n == t.remaining])
-            on_layer = None
-            if writes:
-                def on_layer(layer: int) -> None:  # on the step's thread
-                    for write in writes:
-                        write.on_layer(layer)
             step_started = time.perf_counter()
             try:
                 tokens = await loop.run_in_executor(self._executor, self.runner.step, seqs, rows,
-                                                    on_layer)
+                                                    _fan_out(writes))
             except Exception as err:
                 log.exception("prefill step failed; failing its %d requests", len(plan))
                 for task, _ in plan:
@@ -266,7 +262,7 @@ class PrefillScheduler:
         started = time.perf_counter()
         try:
             if task.write is not None:   # sent during the step: wait for the last layer
-                sender = task.connect.result()
+                sender = self._connected(task)
                 await task.write.wait(self.transfer_timeout_s)
                 await sender.commit(task.target, len(task.prompt_ids), self.transfer_timeout_s)
                 moved, mode = len(task.pages) * self.pool.bytes_per_page, "layerwise"
@@ -325,3 +321,15 @@ class PrefillScheduler:
         self._executor.shutdown(wait=False, cancel_futures=True)
         for sender in self._senders.values():
             await sender.close()
+
+
+def _fan_out(writes: list[PageWrite]) -> Callable[[int], None] | None:
+    """The step's per-layer hook (on the step's thread): every layer-wise write sends it."""
+    if not writes:
+        return None
+
+    def on_layer(layer: int) -> None:
+        for write in writes:
+            write.on_layer(layer)
+
+    return on_layer

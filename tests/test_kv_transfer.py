@@ -193,3 +193,29 @@ def test_pages_released_before_commit_wait_for_a_one_sided_sender():
         assert pool.allocator.num_free == total
 
     asyncio.run(scenario())
+
+
+def test_concurrent_prepares_share_one_connect():
+    """Requests arriving together connect their engine to a decode worker once."""
+    class Counting(GrpcSender):
+        connects = 0
+
+        async def _connect(self, peer):  # noqa: ANN001
+            Counting.connects += 1
+            await asyncio.sleep(0.05)
+
+    async def scenario():
+        server, _table = await _decode_side(_pool())
+        sender = Counting(_pool())
+        address = f"127.0.0.1:{server.port}"
+        try:
+            assert not sender.ready(address)
+            await asyncio.gather(*(sender.prepare(address, 5) for _ in range(8)))
+            assert Counting.connects == 1 and sender.ready(address)
+            await sender.prepare(address, 5)
+            assert Counting.connects == 1
+        finally:
+            await sender.close()
+            await server.stop(0)
+
+    asyncio.run(scenario())
