@@ -62,12 +62,16 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--unfused-rope-kv", action="store_true",
                         help="RoPE and the K/V store as separate kernels (for comparison)")
+    parser.add_argument("--cublas-gemv", action="store_true",
+                        help="batch-1 linear layers through cuBLAS, not the Triton GEMV")
     parser.add_argument("--out", default="bench/results/decode.json")
     args = parser.parse_args()
-    if args.unfused_rope_kv:
-        from pdserve.models.ops import CudaOps
+    from pdserve.models.ops import CudaOps
 
+    if args.unfused_rope_kv:
         CudaOps.fuses_rope_kv = lambda self, head_dim: False  # type: ignore[method-assign]
+    if args.cublas_gemv:
+        CudaOps.has_gemv = False
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     pages_per_seq = -(-(args.context + 1) // args.page_size)
     runner = ModelRunner(EngineConfig(model=args.model, page_size=args.page_size,
@@ -116,7 +120,7 @@ def main() -> None:
     write_results(args.out, "decode", {
         "model": args.model, "context": args.context, "page_size": args.page_size,
         "attention_backend": runner.backend_name, "layer_kernels": runner.model.ops.name,
-        "fused_rope_kv": runner.model.fuse_rope_kv,
+        "fused_rope_kv": runner.model.fuse_rope_kv, "triton_gemv": runner.model.ops.has_gemv,
         "weight_bytes": weight_bytes, "copy_bandwidth_bytes_per_s": bandwidth,
         "bandwidth_floor_bs1_ms": round(floor_ms + kv_bytes_per_token * (args.context + 1)
                                         / bandwidth * 1e3, 4),

@@ -110,10 +110,27 @@ def test_fused_rope_kv_kernel_matches_torch_ops(dtype, qk_norm):
     assert not k_flat[untouched].any() and not v_flat[untouched].any()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k,bias", [(6144, 4096, False), (1000, 1000, True),
+                                      (151936, 1024, False), (3, 18944, True)])
+def test_gemv_kernel_matches_linear(dtype, n, k, bias):
+    from pdserve.models.gemv_kernel import gemv
+
+    gen = torch.Generator(device=CUDA).manual_seed(5)
+    weight = torch.randn(n, k, device=CUDA, generator=gen).to(dtype) / k ** 0.5
+    b = torch.randn(n, device=CUDA, generator=gen).to(dtype) if bias else None
+    x = torch.randn(2, k, device=CUDA, generator=gen).to(dtype)[1:]  # a view, not at offset 0
+    expected = (x.double() @ weight.double().T + (b.double() if bias else 0)).to(dtype)
+    # Float32 accumulation in a different order than cuBLAS: within a couple of ulps.
+    torch.testing.assert_close(gemv(x, weight, b), expected, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("model", ["small", "qwen3-0.6b"])
-def test_cuda_graph_decode_step_matches_eager_step(model):
-    """Captured graphs store K/V with the fused RoPE kernel (float32 rotation, one rounding),
-    eager steps with the separate kernels: logits and stored K/V agree to bf16 rounding."""
+@pytest.mark.parametrize("rows", [1, 5])
+def test_cuda_graph_decode_step_matches_eager_step(model, rows):
+    """Captured graphs store K/V with the fused RoPE kernel (float32 rotation, one rounding)
+    and, at batch 1, run the linear layers as Triton GEMVs; eager steps use the separate
+    kernels and cuBLAS: logits and stored K/V agree to bf16 rounding."""
     runner = ModelRunner(EngineConfig(model=model, page_size=16, num_pages=512,
                                       cuda_graph_max_bs=8), "decode")
     assert runner.graphs is not None and runner.backend_name == "fi"
@@ -125,6 +142,7 @@ def test_cuda_graph_decode_step_matches_eager_step(model):
         pages = runner.pool.allocator.alloc(runner.pool.pages_for(length + 1))
         runner.forward([SeqInput(prompt, 0, pages)])
         seqs.append(SeqInput([rng.randrange(256)], length, pages))
+    seqs = seqs[-rows:]
     graph_logits = runner.forward(seqs).clone()
     graph_kv = runner.pool.tensor.clone()
     assert runner.last_step_mode == "cuda_graph"

@@ -31,6 +31,12 @@ class ForwardContext:
     ops: TorchOps
     cos_sin: torch.Tensor
     fuse_rope_kv: bool = False     # RoPE and the K/V store as one kernel (ops.rope_store_kv)
+    gemv: bool = False             # one-row linear layers through ops.gemv
+
+    def linear(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv:
+            return self.ops.gemv(x, layer.weight, layer.bias)
+        return layer(x)
 
 
 class Attention(nn.Module):
@@ -50,13 +56,13 @@ class Attention(nn.Module):
         if ctx.fuse_rope_kv:
             pool = ctx.attn.pool
             q = ctx.ops.rope_store_kv(
-                self.qkv_proj(x), ctx.batch.positions, ctx.batch.out_slots, ctx.cos_sin,
+                ctx.linear(self.qkv_proj, x), ctx.batch.positions, ctx.batch.out_slots, ctx.cos_sin,
                 pool.k_cache(self.layer_id), pool.v_cache(self.layer_id), cfg.num_heads,
                 cfg.num_kv_heads, cfg.head_dim, self.q_norm.weight if cfg.qk_norm else None,
                 self.k_norm.weight if cfg.qk_norm else None, cfg.rms_norm_eps)
             out = ctx.attn.attend(q, self.layer_id, ctx.batch)
-            return self.o_proj(out.reshape(-1, cfg.q_size))
-        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            return ctx.linear(self.o_proj, out.reshape(-1, cfg.q_size))
+        q, k, v = ctx.linear(self.qkv_proj, x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -65,7 +71,7 @@ class Attention(nn.Module):
             k = ctx.ops.rmsnorm(k, self.k_norm.weight, self.k_norm.eps)
         q, k = ctx.ops.rope(ctx.batch.positions, q, k, ctx.cos_sin)
         out = ctx.attn.forward(q, k, v, self.layer_id, ctx.batch)
-        return self.o_proj(out.reshape(-1, cfg.q_size))
+        return ctx.linear(self.o_proj, out.reshape(-1, cfg.q_size))
 
 
 class MLP(nn.Module):
@@ -77,7 +83,7 @@ class MLP(nn.Module):
                                    bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return self.down_proj(ctx.ops.silu_and_mul(self.gate_up_proj(x)))
+        return ctx.linear(self.down_proj, ctx.ops.silu_and_mul(ctx.linear(self.gate_up_proj, x)))
 
 
 class DecoderLayer(nn.Module):
@@ -127,11 +133,11 @@ class CausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Float32 logits [batch, vocab]."""
         assert self.cos_sin is not None, "prepare() first"
-        # The fused kernel is a Triton kernel: inside a CUDA graph it saves four kernels per
-        # layer; launched eagerly its Python launcher costs more than it saves.
-        fuse = self.fuse_rope_kv and torch.cuda.is_available() and \
-            torch.cuda.is_current_stream_capturing()
-        ctx = ForwardContext(batch, attn, self.ops, self.cos_sin, fuse)
+        # The Triton kernels (fused RoPE + K/V store, one-row GEMV) only go into CUDA graphs:
+        # launched eagerly their Python launcher costs more than they save.
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        ctx = ForwardContext(batch, attn, self.ops, self.cos_sin, self.fuse_rope_kv and capturing,
+                             capturing and self.ops.has_gemv and batch.input_ids.shape[0] == 1)
         x = self.embed_tokens(batch.input_ids)
         residual = None
         for i, layer in enumerate(self.layers):
@@ -141,4 +147,5 @@ class CausalLM(nn.Module):
         rows = batch.logits_indices
         x, _ = self.ops.add_rmsnorm(x[rows], residual[rows], self.norm.weight, self.norm.eps)
         weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return F.linear(x, weight).float()
+        logits = self.ops.gemv(x, weight) if ctx.gemv else F.linear(x, weight)
+        return logits.float()

@@ -11,6 +11,12 @@ class TorchOps:
     """Reference implementations: float32 normalisation, as the checkpoints' own code does."""
 
     name = "torch"
+    has_gemv = False  # whether ``gemv`` has a kernel of its own (else F.linear)
+
+    def gemv(self, x: torch.Tensor, weight: torch.Tensor,
+             bias: torch.Tensor | None = None) -> torch.Tensor:
+        """A linear layer for one row of ``x``."""
+        return F.linear(x, weight, bias)
 
     def fuses_rope_kv(self, head_dim: int) -> bool:
         """Whether ``rope_store_kv`` (RoPE + the K/V store in one kernel) takes this head dim."""
@@ -47,12 +53,19 @@ class CudaOps(TorchOps):
     """sgl_kernel's fused kernels (bf16/fp16 on CUDA)."""
 
     name = "sgl_kernel"
+    has_gemv = True
 
     def __init__(self) -> None:
         import sgl_kernel
 
         self._k = sgl_kernel
         self._cos_sin: dict[torch.dtype, torch.Tensor] = {}
+
+    def gemv(self, x: torch.Tensor, weight: torch.Tensor,
+             bias: torch.Tensor | None = None) -> torch.Tensor:
+        from pdserve.models.gemv_kernel import gemv
+
+        return gemv(x, weight, bias)
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         shape = x.shape
