@@ -3,7 +3,8 @@
     python bench/transfer.py --tokens 512,2048,8192
 
 `copy_kernel` is what the cuda_ipc engine runs (one Triton launch per transfer, GPU to GPU);
-`indexing` is `dst[:, :, d] = src[:, :, s]` for comparison; `grpc` is the whole grpc engine
+`indexing` is `dst[:, :, d] = src[:, :, s]` for comparison; `peer_copy` (with two GPUs) is what
+cuda_ipc runs between pools on two GPUs (gather, peer copy, scatter on the other GPU); `grpc` is the whole grpc engine
 (device to host, gRPC stream, host to device, commit) between two pools through a real server.
 Bandwidth is payload bytes per second; the device copy limit is measured alongside.
 """
@@ -63,6 +64,28 @@ async def _grpc_ms(src: KVPool, dst: KVPool, pages: int, iters: int) -> float:
     return total / iters * 1e3
 
 
+def _peer_ms(src: KVPool, pages: int, iters: int = 10) -> float:
+    """Pages from ``src`` (cuda:0) into a pool on cuda:1 through cuda_ipc's PeerCopier."""
+    from kv_transfer.cuda_ipc_engine import PeerCopier
+
+    dst = torch.zeros(LAYOUT.num_layers, 2, pages + 1, LAYOUT.page_size, LAYOUT.num_kv_heads,
+                      LAYOUT.head_dim, dtype=torch.bfloat16, device="cuda:1")
+    copier = PeerCopier(torch.cuda.Stream("cuda:0"), src.tensor, dst)
+    s = torch.arange(1, pages + 1, device="cuda:0")
+    d = torch.arange(1, pages + 1, device="cuda:1")
+    total = 0.0
+    for i in range(iters + 1):
+        torch.cuda.synchronize("cuda:0")
+        torch.cuda.synchronize("cuda:1")
+        started = time.perf_counter()
+        copier.copy(src.tensor, dst, s, d)
+        copier.remote_stream.synchronize()
+        if i:
+            total += time.perf_counter() - started
+    assert torch.equal(dst[:, :, 1:].cpu(), src.tensor[:, :, 1:pages + 1].cpu())
+    return total / iters * 1e3
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="512,2048,8192")
@@ -86,12 +109,17 @@ def main() -> None:
         index_ms = cuda_time_ms(indexing)
         grpc_ms = asyncio.run(_grpc_ms(src, dst, pages, iters=3))
         row = {"tokens": tokens, "payload_bytes": payload}
-        for name, ms in (("copy_kernel", kernel_ms), ("indexing", index_ms), ("grpc", grpc_ms)):
+        timings = [("copy_kernel", kernel_ms), ("indexing", index_ms), ("grpc", grpc_ms)]
+        if torch.cuda.device_count() > 1:
+            timings.append(("peer_copy", _peer_ms(src, pages)))
+        for name, ms in timings:
             row[name] = {"ms": round(ms, 4), "payload_tb_per_s": round(payload / (ms / 1e3) / 1e12, 3)}
         rows.append(row)
         print(f"{tokens:5d} tokens ({payload / 2**20:7.1f} MiB): copy kernel {kernel_ms:7.3f} ms "
               f"({row['copy_kernel']['payload_tb_per_s']} TB/s) | indexing {index_ms:7.3f} ms "
-              f"({row['indexing']['payload_tb_per_s']} TB/s) | grpc {grpc_ms:8.2f} ms")
+              f"({row['indexing']['payload_tb_per_s']} TB/s) | grpc {grpc_ms:8.2f} ms"
+              + (f" | two GPUs {row['peer_copy']['ms']:7.3f} ms "
+                 f"({row['peer_copy']['payload_tb_per_s']} TB/s)" if "peer_copy" in row else ""))
     write_results(args.out, "kv_transfer", {"layout": LAYOUT.__dict__,
                                             "device_copy_bytes_per_s": limit, "results": rows})
 

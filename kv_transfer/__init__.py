@@ -52,13 +52,26 @@ def gpu_uuid(device: object) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
+def local_device_index(uuid: str) -> int | None:
+    """This process's index of the CUDA device with ``uuid`` (None if it does not see it)."""
+    import torch
+
+    if not uuid or not torch.cuda.is_available():
+        return None
+    return next((i for i in range(torch.cuda.device_count())
+                 if str(torch.cuda.get_device_properties(i).uuid) == uuid), None)
+
+
 def choose_engine(offered: list[str], same_host: bool, local_on_cuda: bool,
-                  remote_on_cuda: bool, same_gpu: bool = True) -> tuple[str, str]:
-    """``--kv-transfer auto``: cuda_ipc for two pools on one GPU, else nixl where both sides
-    have it, else grpc. Returns (engine, reason). (cuda_ipc between two GPUs of a host is not
-    supported yet: Triton refuses the peer GPU's IPC-mapped pointer.)"""
-    if "cuda_ipc" in offered and same_host and local_on_cuda and remote_on_cuda and same_gpu:
-        return "cuda_ipc", "same host, both pools on one GPU"
+                  remote_on_cuda: bool, same_gpu: bool = True,
+                  remote_gpu_visible: bool = True) -> tuple[str, str]:
+    """``--kv-transfer auto``: cuda_ipc for two pools on one host whose GPUs this process sees
+    (one GPU, or two with peer copies), else nixl where both sides have it, else grpc.
+    Returns (engine, reason)."""
+    if "cuda_ipc" in offered and same_host and local_on_cuda and remote_on_cuda and (
+            same_gpu or remote_gpu_visible):
+        return "cuda_ipc", ("same host, both pools on one GPU" if same_gpu else
+                            "same host, pools on two GPUs (peer copies)")
     if "nixl" in offered and nixl_installed():
         return "nixl", ("NIXL on both sides" + ("" if same_host else ", different hosts")
                         + ("" if local_on_cuda == remote_on_cuda else ", mixed memory"))

@@ -1,23 +1,32 @@
 """`cuda_ipc`: prefill and decode processes on one host. The decode pool is exported once through
-CUDA IPC at the handshake; prefill maps it and copies the request's pages GPU to GPU with one
-kernel launch per layer (sent while the next layer is computed) or per request, no host staging.
-Both pools must be on one GPU: across two GPUs Triton refuses the peer GPU's IPC-mapped
-pointer (seen on 2x H200), so auto picks nixl or grpc there.
+CUDA IPC at the handshake; prefill maps it and copies the request's pages GPU to GPU with the
+copy kernel (a launch per group of layers, sent while the next layers are computed, or one per
+request), no host staging.
+
+Pools on one GPU: one kernel gathers from our pool and scatters into theirs. Pools on two GPUs
+of the host (the prefill process must see both): the remote pool is mapped on its own GPU, and
+each group of layers goes in three steps, every pointer local to the kernel that touches it: our
+GPU gathers the pages into a staging buffer, a peer-to-peer copy moves it to a staging buffer on
+their GPU (NVLink where there is one), and a kernel launched on their GPU scatters it into the
+reserved pages. (A kernel on our GPU may not write their IPC-mapped memory: Triton refuses it.)
 
 The handle travels pickled: both ends are our own processes on one host, behind the handshake.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import pickle
 from typing import Any
 
 import torch
 
-from kv_transfer import host_identity
+from kv_transfer import gpu_uuid, host_identity, local_device_index
 from kv_transfer.base import DecodePeer, PageWrite, TransferSender, TransferSink
 from pdserve.errors import TransferFailed
 from pdserve.kvcache.pool import KVPool
+
+log = logging.getLogger(__name__)
 
 
 class CudaIpcReceiver:
@@ -31,7 +40,8 @@ class CudaIpcReceiver:
         from torch.multiprocessing.reductions import reduce_tensor
 
         rebuild, args = reduce_tensor(pool.tensor)
-        self._metadata = pickle.dumps({"host": host_identity(), "args": args})
+        self._metadata = pickle.dumps({"host": host_identity(), "args": args,
+                                       "gpu_uuid": gpu_uuid(pool.tensor.device)})
         self.pool = pool
 
     def metadata(self) -> bytes:
@@ -39,6 +49,52 @@ class CudaIpcReceiver:
 
 
 LAYER_GROUPS = 4
+# Staging for pools on two GPUs, on each side: bounds the memory the prefill process takes on
+# the decode GPU (on top of the CUDA context that mapping the pool costs there).
+STAGING_BYTES = 64 << 20
+
+
+class PeerCopier:
+    """Copies pages from a pool on our GPU into a pool on another GPU of the host: gather into
+    local staging, peer copy, scatter on the remote GPU, in chunks of the staging's size."""
+
+    def __init__(self, local_stream: torch.cuda.Stream, local: torch.Tensor,
+                 remote: torch.Tensor, staging_bytes: int = STAGING_BYTES) -> None:
+        from kv_transfer.copy_kernel import copy_pages
+
+        self.copy_pages = copy_pages
+        self.local_stream = local_stream
+        self.remote_stream = torch.cuda.Stream(device=remote.device)
+        self.plane = local.shape[3:]                 # one (layer, K/V, page) plane
+        plane_bytes = local[0, 0, 0].numel() * local.element_size()
+        self.planes = max(2 * local.shape[0], staging_bytes // plane_bytes)
+        self.local_staging = torch.empty(self.planes, *self.plane, dtype=local.dtype,
+                                         device=local.device)
+        self.remote_staging = torch.empty(self.planes, *self.plane, dtype=remote.dtype,
+                                          device=remote.device)
+        self.local_ids = torch.arange(self.planes, dtype=torch.int32, device=local.device)
+        self.remote_ids = torch.arange(self.planes, dtype=torch.int32, device=remote.device)
+
+    def copy(self, src_pool: torch.Tensor, dst_pool: torch.Tensor, src_pages: torch.Tensor,
+             dst_pages: torch.Tensor) -> None:
+        """``dst_pool[:, :, dst_pages] = src_pool[:, :, src_pages]``, enqueued after the local
+        stream's work; ``dst_pages`` on the remote GPU. Ends on ``remote_stream``."""
+        layers = src_pool.shape[0]
+        chunk = self.planes // (2 * layers)          # pages per round
+        # The page ids went up on the remote GPU's current stream.
+        self.remote_stream.wait_stream(torch.cuda.current_stream(dst_pool.device))
+        for start in range(0, src_pages.numel(), chunk):
+            n = min(chunk, src_pages.numel() - start)
+            ours = self.local_staging[:2 * layers * n].view(layers, 2, n, *self.plane)
+            theirs = self.remote_staging[:2 * layers * n].view(layers, 2, n, *self.plane)
+            # Each GPU's current stream is its side stream here: the cross-device copy_ runs on
+            # ours after the gather, and theirs waits for it (and it for theirs' last scatter).
+            with torch.cuda.stream(self.local_stream):
+                self.copy_pages(src_pool, ours, src_pages[start:start + n], self.local_ids[:n])
+                with torch.cuda.device(dst_pool.device), torch.cuda.stream(self.remote_stream):
+                    theirs.copy_(ours, non_blocking=True)
+                    self.copy_pages(theirs, dst_pool, self.remote_ids[:n],
+                                    dst_pages[start:start + n])
 
 
 class _IpcWrite(PageWrite):
@@ -49,9 +105,10 @@ class _IpcWrite(PageWrite):
         super().__init__(sender.pool.layout.num_layers, address)
         self.sender = sender
         self.remote = remote
-        device = sender.pool.tensor.device
-        self.src = torch.tensor(src_pages, dtype=torch.int32).to(device, non_blocking=True)
-        self.dst = torch.tensor(dst_pages, dtype=torch.int32).to(device, non_blocking=True)
+        self.peer = sender._peer_copiers.get(address)
+        self.src = torch.tensor(src_pages, dtype=torch.int32).to(sender.pool.tensor.device,
+                                                                  non_blocking=True)
+        self.dst = torch.tensor(dst_pages, dtype=torch.int32).to(remote.device, non_blocking=True)
         self.event = torch.cuda.Event()
 
     def _send(self, layer: int) -> None:
@@ -73,6 +130,10 @@ class _IpcWrite(PageWrite):
         sender = self.sender
         local = sender.pool.tensor
         sender.stream.wait_stream(torch.cuda.current_stream(local.device))
+        if self.peer is not None:  # the pools sit on two GPUs
+            self.peer.copy(local[layers], self.remote[layers], self.src, self.dst)
+            self.event.record(self.peer.remote_stream)
+            return
         with torch.cuda.stream(sender.stream):
             sender.copy_pages(local[layers], self.remote[layers], self.src, self.dst)
             self.event.record(sender.stream)
@@ -93,6 +154,7 @@ class CudaIpcSender(TransferSender):
 
         self.copy_pages = copy_pages
         self._remote_pools: dict[str, torch.Tensor] = {}
+        self._peer_copiers: dict[str, PeerCopier] = {}   # decode pools on other GPUs
         self.stream = torch.cuda.Stream(device=pool.tensor.device)
 
     async def _connect(self, peer: DecodePeer) -> None:
@@ -102,22 +164,36 @@ class CudaIpcSender(TransferSender):
         if exported.get("host") != host_identity():
             raise TransferFailed(f"decode {peer.address} is on another host: cuda_ipc "
                                  "works within one host (use nixl or grpc)")
-        remote = rebuild_cuda_tensor(*exported["args"])
         local = self.pool.tensor
-        if remote.device != local.device:
+        args = list(exported["args"])
+        device = local_device_index(exported.get("gpu_uuid", ""))
+        if device is None:
             raise TransferFailed(
-                f"decode {peer.address} keeps its KV on {remote.device}, we on {local.device}: "
-                "cuda_ipc between two GPUs is not supported yet (use nixl or grpc)")
+                f"decode {peer.address} keeps its KV on a GPU this process does not see: cuda_ipc "
+                "needs the decode GPU visible here (CUDA_VISIBLE_DEVICES); use nixl or grpc")
+        args[6] = device  # the storage's device, as numbered in this process
+        remote = rebuild_cuda_tensor(*args)  # mapped on its own GPU
+        peer_copier = PeerCopier(self.stream, local, remote) if remote.device != local.device \
+            else None
         # Compile the copy kernel now, off the event loop, with a copy of the null page onto
         # itself (page 0 is never handed out on either side).
         null = torch.zeros(1, dtype=torch.int32, device=local.device)
 
         def warm_up() -> None:
+            if peer_copier is not None:
+                peer_copier.copy(local[:1], remote[:1], null, null.to(remote.device))
+                peer_copier.remote_stream.synchronize()
+                return
             with torch.cuda.stream(self.stream):
                 self.copy_pages(local[:1], remote[:1], null, null)
             self.stream.synchronize()
 
         await asyncio.to_thread(warm_up)
+        if peer_copier is not None:
+            self._peer_copiers[peer.address] = peer_copier
+            log.info("cuda_ipc to %s: decode pool on %s, ours on %s: peer copies through %d MiB "
+                     "of staging on each", peer.address, remote.device, local.device,
+                     peer_copier.planes * local[0, 0, 0].numel() * local.element_size() >> 20)
         self._remote_pools[peer.address] = remote
 
     def start_write(self, address: str, src_pages: list[int], dst_pages: list[int]) -> PageWrite:

@@ -136,6 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--no-metrics", action="store_true", help="start no metrics exporters")
     up.add_argument("--ready-timeout-s", type=float, default=600.0)
     up.add_argument("--log-level", default="INFO")
+    up.add_argument("--prefill-devices", type=_addresses, default=[],
+                    help="cuda:0,cuda:1,...: devices of the prefill workers, in turn (default "
+                         "--device for all)")
+    up.add_argument("--decode-devices", type=_addresses, default=[],
+                    help="as --prefill-devices, for the decode workers (e.g. prefill on cuda:0, "
+                         "decode on cuda:1: cuda_ipc moves KV between them peer to peer)")
     _engine_options(up)
     _prefill_options(up)
     _decode_options(up)

@@ -102,8 +102,11 @@ def run_cluster(args: argparse.Namespace) -> int:
         workers = []
         for role, count, flags in (("prefill", args.prefill, PREFILL_FLAGS),
                                    ("decode", args.decode, DECODE_FLAGS)):
-            for _ in range(count):
+            devices = getattr(args, f"{role}_devices")
+            for i in range(count):
                 extra = forward_flags(args, ENGINE_FLAGS + flags)
+                if devices:  # later flags win
+                    extra += ["--device", devices[i % len(devices)]]
                 if args.disable_cuda_graph:
                     extra.append("--disable-cuda-graph")
                 if role == "prefill" and not args.layerwise_transfer:

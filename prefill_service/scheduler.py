@@ -22,7 +22,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from kv_transfer import choose_engine, create_sender, gpu_uuid, host_identity
+from kv_transfer import (choose_engine, create_sender, gpu_uuid, host_identity,
+                         local_device_index)
 from kv_transfer.base import KVTarget, PageWrite, TransferSender, query_offer
 from pdserve.engine.batch import SeqInput
 from pdserve.engine.runner import ModelRunner
@@ -297,7 +298,8 @@ class PrefillScheduler:
             offer = await query_offer(target.address, self.pool.layout, self.transfer_timeout_s)
             engine, reason = choose_engine(list(offer.engines), offer.host == host_identity(),
                                            self.pool.tensor.device.type == "cuda", offer.on_cuda,
-                                           offer.gpu_uuid == gpu_uuid(self.pool.tensor.device))
+                                           offer.gpu_uuid == gpu_uuid(self.pool.tensor.device),
+                                           local_device_index(offer.gpu_uuid) is not None)
             log.info("KV transfer to %s: %r engine (%s)", target.address, engine, reason)
             self._auto_engines[target.address] = (engine, reason)
         return self._auto_engines[target.address]

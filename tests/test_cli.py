@@ -80,7 +80,9 @@ def test_generate_command_reports_errors(cluster):
 
 
 def test_two_prefill_and_two_decode_workers_share_the_load():
-    cluster = start_cluster(["--prefill", "2", "--decode", "2"])
+    # (--*-devices place workers on devices in turn; on this CPU-only machine, all on the CPU.)
+    cluster = start_cluster(["--prefill", "2", "--decode", "2", "--prefill-devices", "cpu",
+                             "--decode-devices", "cpu,cpu"])
     try:
         from conftest import generate
         from protos.pdserve.v1 import generate_pb2

@@ -226,11 +226,32 @@ def test_copy_kernel_moves_random_pages_bit_exactly():
     assert not dst[:, :, untouched].any()
 
 
+def test_peer_copier_moves_pages_between_two_gpus():
+    """Pages gathered on one GPU, copied peer to peer in rounds smaller than the request, and
+    scattered on the other GPU: bit-exact, and nothing else of the target pool written."""
+    from kv_transfer.cuda_ipc_engine import PeerCopier
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs a second GPU")
+    src = torch.randn(3, 2, 50, 16, 2, 128, device="cuda:0").bfloat16()
+    dst = torch.zeros(3, 2, 70, 16, 2, 128, device="cuda:1", dtype=torch.bfloat16)
+    plane_bytes = src[0, 0, 0].numel() * 2
+    copier = PeerCopier(torch.cuda.Stream("cuda:0"), src, dst, staging_bytes=6 * 5 * plane_bytes)
+    rng = random.Random(11)
+    src_pages, dst_pages = rng.sample(range(1, 50), 23), rng.sample(range(1, 70), 23)
+    copier.copy(src, dst, torch.tensor(src_pages, device="cuda:0"),
+                torch.tensor(dst_pages, device="cuda:1"))  # rounds of 5 pages
+    copier.remote_stream.synchronize()
+    assert torch.equal(dst[:, :, dst_pages].cpu(), src[:, :, src_pages].cpu())
+    untouched = [p for p in range(70) if p not in dst_pages]
+    assert not dst[:, :, untouched].any()
+
+
 @pytest.mark.parametrize("decode_device", ["cuda:0", "cuda:1"], ids=["one-gpu", "two-gpus"])
 def test_cluster_with_cuda_ipc_matches_single_process(decode_device, tiny_runner):
-    """Prefill on cuda:0 writes straight into a decode pool on the same GPU (layer by layer, so
-    the later requests go layer-wise). With the decode pool on a second GPU, auto picks another
-    engine (cuda_ipc between GPUs is not supported yet) and the tokens are the same."""
+    """Prefill on cuda:0 writes straight into a decode pool on the same GPU, or on a second GPU
+    through peer copies (layer by layer, so the later requests go layer-wise); auto picks
+    cuda_ipc for both, and the tokens are those of one process."""
     import grpc
     from conftest import start_roles
 
@@ -238,10 +259,8 @@ def test_cluster_with_cuda_ipc_matches_single_process(decode_device, tiny_runner
 
     if torch.cuda.device_count() <= int(decode_device[-1]):
         pytest.skip("needs a second GPU")
-    same_gpu = decode_device == "cuda:0"
     cluster = start_roles(["prefill", "decode"],
-                          decode_flags=["--kv-transfer", "cuda_ipc" if same_gpu else "auto",
-                                        "--device", decode_device])
+                          decode_flags=["--kv-transfer", "auto", "--device", decode_device])
     try:
         for prompt in (list(b"through CUDA IPC"), [9] * 300, list(b"and again " * 20)):
             ids = generate(cluster.stub(), token_ids=generate_pb2.TokenIds(ids=prompt),
@@ -251,7 +270,7 @@ def test_cluster_with_cuda_ipc_matches_single_process(decode_device, tiny_runner
         request = worker_pb2.GetWorkerInfoRequest()
         with grpc.insecure_channel(cluster.addresses["prefill0"]) as ch:
             info = prefill_pb2_grpc.PrefillServiceStub(ch).GetWorkerInfo(request, timeout=5)
-            assert (list(info.kv_transfer_engines) == ["cuda_ipc"]) == same_gpu
+            assert list(info.kv_transfer_engines) == ["cuda_ipc"]
             assert info.free_pages == info.total_pages
         with grpc.insecure_channel(cluster.addresses["decode0"]) as ch:
             info = decode_pb2_grpc.DecodeServiceStub(ch).GetWorkerInfo(request, timeout=5)

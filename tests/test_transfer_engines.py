@@ -37,9 +37,11 @@ def test_auto_prefers_cuda_ipc_then_nixl_then_grpc():
     assert choose_engine(everything, False, True, True)[0] == ("nixl" if nixl_installed() else "grpc")
     assert choose_engine(everything, True, False, True)[0] == ("nixl" if nixl_installed() else "grpc")
     assert choose_engine(["grpc"], True, True, True)[0] == "grpc"
-    # Two GPUs of one host: not cuda_ipc (yet).
-    assert choose_engine(everything, True, True, True, same_gpu=False)[0] == (
-        "nixl" if nixl_installed() else "grpc")
+    # Two GPUs of one host: cuda_ipc with peer copies when this process sees the other GPU.
+    assert choose_engine(everything, True, True, True, same_gpu=False) == (
+        "cuda_ipc", "same host, pools on two GPUs (peer copies)")
+    assert choose_engine(everything, True, True, True, same_gpu=False,
+                         remote_gpu_visible=False)[0] == ("nixl" if nixl_installed() else "grpc")
 
 
 AUTO = "cuda_ipc" if torch.cuda.is_available() else ("nixl" if nixl_installed() else "grpc")
