@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from pdserve.attention.base import AttentionBackend
@@ -38,16 +39,18 @@ class FlashInferBackend(AttentionBackend):
         self._indices_staging: torch.Tensor | None = None   # set up with the CUDA graphs
 
     def _paged_kv(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(indptr, page indices, last page lengths) on the host, as plan() takes them."""
+        """(indptr, page indices, last page lengths) on the host, as plan() takes them. In
+        numpy: a handful of tiny torch CPU ops cost ~0.3 ms a decode step at batch 256."""
         page_size = batch.page_size
-        lens = batch.seq_lens_kv_cpu
+        lens = batch.seq_lens_kv_cpu.numpy()
         pages = (lens + page_size - 1) // page_size
-        table = batch.page_table_cpu
-        used = torch.arange(table.shape[1])[None, :] < pages[:, None]
-        indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
-        torch.cumsum(pages, 0, out=indptr[1:])
+        table = batch.page_table_cpu.numpy()
+        used = np.arange(table.shape[1])[None, :] < pages[:, None]
+        indptr = np.zeros(len(lens) + 1, dtype=np.int32)
+        np.cumsum(pages, out=indptr[1:])
         last = lens - (pages - 1) * page_size
-        return indptr, table[used].to(torch.int32), last.to(torch.int32)
+        return (torch.from_numpy(indptr), torch.from_numpy(table[used].astype(np.int32)),
+                torch.from_numpy(last.astype(np.int32)))
 
     def _plan_decode(self, wrapper: Any, batch: ForwardBatch) -> None:
         indptr, indices, last = self._paged_kv(batch)

@@ -5,6 +5,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -102,8 +103,9 @@ class ForwardBatch:
         slots = [s.page_ids[p // page_size] * page_size + p % page_size
                  for s, p in zip(seqs, positions)]
         max_pages = max(len(s.page_ids) for s in seqs)
-        page_table = torch.tensor([s.page_ids + [0] * (max_pages - len(s.page_ids)) for s in seqs],
-                                  dtype=torch.int32)
+        # Through numpy: torch.tensor on nested lists costs ~7x more (1.3 ms at batch 256).
+        page_table = torch.from_numpy(np.array(
+            [s.page_ids + [0] * (max_pages - len(s.page_ids)) for s in seqs], dtype=np.int32))
         cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32)
         seq_lens_kv = torch.tensor([p + 1 for p in positions], dtype=torch.int32)
         rows = torch.arange(n, dtype=torch.long)
