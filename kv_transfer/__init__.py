@@ -68,8 +68,8 @@ def choose_engine(offered: list[str], same_host: bool, local_on_cuda: bool,
     """``--kv-transfer auto``: cuda_ipc for two pools on one host whose GPUs this process sees
     (one GPU, or two with peer copies), else nixl where both sides have it, else grpc.
     Returns (engine, reason)."""
-    if "cuda_ipc" in offered and same_host and local_on_cuda and remote_on_cuda and (
-            same_gpu or remote_gpu_visible):
+    if "cuda_ipc" in offered and same_host and local_on_cuda and remote_on_cuda and \
+            remote_gpu_visible:  # (true of one GPU too)
         return "cuda_ipc", ("same host, both pools on one GPU" if same_gpu else
                             "same host, pools on two GPUs (peer copies)")
     if "nixl" in offered and nixl_installed():

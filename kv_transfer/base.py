@@ -79,6 +79,7 @@ class DecodePeer:
         self.channel = channel(address)
         self.stub = kv_transfer_pb2_grpc.KVTransferServiceStub(self.channel)
         self.engine_metadata: bytes | None = None
+        self.offer: kv_transfer_pb2.HandshakeResponse | None = None  # its host, GPU, engines
         self._lock = asyncio.Lock()
 
     async def handshake(self, layout: KVLayout, engine: str, timeout_s: float,
@@ -95,7 +96,7 @@ class DecodePeer:
                         raise LayoutMismatch(f"decode {self.address} refused our KV layout: "
                                              f"{err.details()}") from err
                     raise TransferFailed(f"handshake with {self.address}: {err.details()}") from err
-                self.engine_metadata = reply.engine_metadata
+                self.engine_metadata, self.offer = reply.engine_metadata, reply
             return self.engine_metadata
 
     async def commit(self, request_id: str, num_tokens: int, timeout_s: float) -> None:

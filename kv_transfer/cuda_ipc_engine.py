@@ -17,11 +17,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import pickle
-from typing import Any
 
 import torch
 
-from kv_transfer import gpu_uuid, host_identity, local_device_index
+from kv_transfer import host_identity, local_device_index
 from kv_transfer.base import DecodePeer, PageWrite, TransferSender, TransferSink
 from pdserve.errors import TransferFailed
 from pdserve.kvcache.pool import KVPool
@@ -40,8 +39,7 @@ class CudaIpcReceiver:
         from torch.multiprocessing.reductions import reduce_tensor
 
         rebuild, args = reduce_tensor(pool.tensor)
-        self._metadata = pickle.dumps({"host": host_identity(), "args": args,
-                                       "gpu_uuid": gpu_uuid(pool.tensor.device)})
+        self._metadata = pickle.dumps(args)  # host and GPU travel in the handshake reply
         self.pool = pool
 
     def metadata(self) -> bytes:
@@ -160,13 +158,12 @@ class CudaIpcSender(TransferSender):
     async def _connect(self, peer: DecodePeer) -> None:
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-        exported: dict[str, Any] = pickle.loads(peer.engine_metadata or b"")
-        if exported.get("host") != host_identity():
+        if peer.offer is None or peer.offer.host != host_identity():
             raise TransferFailed(f"decode {peer.address} is on another host: cuda_ipc "
                                  "works within one host (use nixl or grpc)")
         local = self.pool.tensor
-        args = list(exported["args"])
-        device = local_device_index(exported.get("gpu_uuid", ""))
+        args = list(pickle.loads(peer.engine_metadata or b""))
+        device = local_device_index(peer.offer.gpu_uuid)
         if device is None:
             raise TransferFailed(
                 f"decode {peer.address} keeps its KV on a GPU this process does not see: cuda_ipc "

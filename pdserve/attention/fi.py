@@ -49,8 +49,8 @@ class FlashInferBackend(AttentionBackend):
         indptr = np.zeros(len(lens) + 1, dtype=np.int32)
         np.cumsum(pages, out=indptr[1:])
         last = lens - (pages - 1) * page_size
-        return (torch.from_numpy(indptr), torch.from_numpy(table[used].astype(np.int32)),
-                torch.from_numpy(last.astype(np.int32)))
+        return (torch.from_numpy(indptr), torch.from_numpy(table[used]),
+                torch.from_numpy(last.astype(np.int32, copy=False)))
 
     def _plan_decode(self, wrapper: Any, batch: ForwardBatch) -> None:
         indptr, indices, last = self._paged_kv(batch)
