@@ -9,6 +9,11 @@ released before its commit may still be written to by a prefill that has not sto
 layer-wise send runs during a whole prefill step). Its pages are held back until that prefill
 abandons the request (or commits it), or at the latest one lease timeout later, so they are never
 handed to another request while stale writes can land.
+
+A one-sided sender may commit before its writes have landed (``writes_pending``), to keep the
+Commit round trip off the hand-off. Such a reservation is COMMITTED but not ``landed``: released,
+it is fenced like an uncommitted one. The router's Decode call marks it landed: the router sends
+it only after the prefill worker's reply, which that worker sends once its writes have landed.
 """
 from __future__ import annotations
 
@@ -40,6 +45,7 @@ class Reservation:
     pages: list[int]                # prompt pages first, then room for generated tokens
     prompt_pages: int
     state: State = State.RESERVED
+    landed: bool = False            # the prompt's KV writes are all in (no write can still land)
     lease: asyncio.TimerHandle | None = field(default=None, repr=False)
 
 
@@ -136,8 +142,10 @@ class ReservationTable:
         if not allowed.issuperset(page_ids):
             raise InvalidRequest(f"pages outside request {request_id!r}'s reservation")
 
-    def commit(self, request_id: str, num_tokens: int) -> None:
-        if request_id in self._fenced:  # released meanwhile; a commit means the writes ended
+    def commit(self, request_id: str, num_tokens: int, landed: bool = True) -> None:
+        """The prompt's KV is complete (``landed``) or, from a one-sided sender, all enqueued
+        (writes may still land until the router's Decode call or the sender's Abandon)."""
+        if landed and request_id in self._fenced:  # released meanwhile: the writes ended
             self._unfence(request_id)
         res = self.get(request_id)
         if res.state is not State.RESERVED:
@@ -145,25 +153,30 @@ class ReservationTable:
         if num_tokens != res.prompt_len:
             raise InvalidRequest(f"commit of {num_tokens} tokens; reserved for {res.prompt_len}")
         res.state = State.COMMITTED
+        res.landed = landed
 
     def start_decoding(self, request_id: str) -> Reservation:
         res = self.get(request_id)
         if res.state is not State.COMMITTED:
             raise InvalidRequest(f"request {request_id!r} is {res.state.value}; its KV is not committed")
         res.state = State.DECODING
+        res.landed = True   # Decode follows the prefill's reply, sent once its writes landed
         if res.lease:
             res.lease.cancel()
         return res
 
     def release(self, request_id: str, fence: bool = True) -> bool:
         """Frees a reservation's pages; False if there was none. Pages that a one-sided engine
-        may still be writing (not committed yet) are fenced until the sender abandons."""
+        may still be writing (not committed, or committed with writes pending) are fenced until
+        the sender abandons."""
         res = self._by_id.pop(request_id, None)
         if res is None:
             return False
         if res.lease:
             res.lease.cancel()
-        if fence and self.fence_released and res.state is State.RESERVED:
+        in_flight = res.state is State.RESERVED or (res.state is State.COMMITTED
+                                                      and not res.landed)
+        if fence and self.fence_released and in_flight:
             timer = asyncio.get_running_loop().call_later(self.lease_timeout_s, self._unfence,
                                                           request_id)
             self._fenced[request_id] = (res.pages, timer)

@@ -6,6 +6,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import grpc
@@ -64,7 +65,9 @@ class TransferSink(Protocol):
         """Raises unless ``page_ids`` are reserved for ``request_id`` and not yet committed."""
         ...
 
-    def commit(self, request_id: str, num_tokens: int) -> None: ...
+    def commit(self, request_id: str, num_tokens: int, landed: bool = True) -> None:
+        """The prompt's KV is complete; with ``landed`` False, enqueued but maybe in flight."""
+        ...
 
     def abandon(self, request_id: str) -> None:
         """The sender writes no more for ``request_id`` and will not commit it."""
@@ -99,9 +102,11 @@ class DecodePeer:
                 self.engine_metadata, self.offer = reply.engine_metadata, reply
             return self.engine_metadata
 
-    async def commit(self, request_id: str, num_tokens: int, timeout_s: float) -> None:
-        await self.stub.Commit(kv_transfer_pb2.CommitRequest(request_id=request_id,
-                                                             num_tokens=num_tokens), timeout=timeout_s)
+    async def commit(self, request_id: str, num_tokens: int, timeout_s: float,
+                     writes_pending: bool = False) -> None:
+        await self.stub.Commit(kv_transfer_pb2.CommitRequest(
+            request_id=request_id, num_tokens=num_tokens, writes_pending=writes_pending),
+            timeout=timeout_s)
 
 
 class PageWrite(ABC):
@@ -112,6 +117,8 @@ class PageWrite(ABC):
     sends every layer at once (after the step). ``wait`` returns when everything has landed and
     raises unless every layer was sent; ``settle`` only waits for what was sent to land, so the
     source pages can be freed and the decode side told that no more writes will come.
+    ``on_sent``, if set, runs on the step's thread once the last layer is on its way (before it
+    has landed): the scheduler commits from there, so the Commit overlaps the end of the step.
     """
 
     def __init__(self, num_layers: int, address: str) -> None:
@@ -120,6 +127,7 @@ class PageWrite(ABC):
         self.layers_sent = 0
         self.sealed = False      # no more layers will be sent (the step is over)
         self.error: Exception | None = None
+        self.on_sent: Callable[[], None] | None = None
 
     def on_layer(self, layer: int) -> None:
         if self.error is None:
@@ -128,6 +136,8 @@ class PageWrite(ABC):
             except Exception as err:  # noqa: BLE001 - reported by wait()
                 self.error = err
         self.layers_sent += 1
+        if self.layers_sent == self.num_layers and self.error is None and self.on_sent:
+            self.on_sent()
 
     def send_all(self) -> None:
         for layer in range(self.num_layers):
@@ -243,9 +253,12 @@ class TransferSender(ABC):
         await self.commit(target, num_tokens, timeout_s)
         return moved
 
-    async def commit(self, target: KVTarget, num_tokens: int, timeout_s: float) -> None:
+    async def commit(self, target: KVTarget, num_tokens: int, timeout_s: float,
+                     writes_pending: bool = False) -> None:
+        """Tells the decode worker the prompt's KV is complete; ``writes_pending``: complete
+        once the writes already started land (one-sided engines, committing during the step)."""
         await self._wrap(self.peer(target.address).commit(target.request_id, num_tokens,
-                                                          timeout_s), target)
+                                                          timeout_s, writes_pending), target)
 
     async def abandon(self, target: KVTarget, timeout_s: float) -> None:
         """Tells the decode worker we write no more for this request (best effort)."""

@@ -71,7 +71,8 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
     @map_errors
     async def Commit(self, request: kv_transfer_pb2.CommitRequest,
                      context: grpc.aio.ServicerContext) -> kv_transfer_pb2.CommitResponse:
-        self.sink.commit(request.request_id, request.num_tokens)
+        self.sink.commit(request.request_id, request.num_tokens,
+                         landed=not request.writes_pending)
         return kv_transfer_pb2.CommitResponse()
 
     @map_errors

@@ -8,7 +8,9 @@ ends, however it ends.
 
 With a one-sided engine (cuda_ipc, nixl) the push overlaps the prompt's last step: the engine is
 chosen and connected while the prompt waits, and each layer's pages leave as soon as that layer
-is computed, so after the step only the last layer's copy and the commit remain (the hand-off).
+is computed. The Commit goes out as soon as the last layer's write is enqueued, while the step
+ends on the GPU, marked ``writes_pending``: after the step only the wait for the last copy to land
+remains (the hand-off), and the reply that lets the router start decoding follows that wait.
 A request that fails or is cancelled tells the decode worker (Abandon) once no more of its
 writes can land, so its reserved pages are safe to reuse.
 """
@@ -49,6 +51,7 @@ class PrefillTask:
     enqueued_at: float = field(default_factory=time.monotonic)
     connect: asyncio.Task | None = None            # engine chosen and connected ahead of time
     write: PageWrite | None = None                 # pages sent layer by layer in the last step
+    early_commit: asyncio.Task | None = None       # its Commit, sent before the writes landed
 
     @property
     def remaining(self) -> int:
@@ -127,6 +130,8 @@ class PrefillScheduler:
                 await asyncio.wait([task.transfer])
             if task.write is not None:
                 await task.write.settle()
+            if task.early_commit is not None:  # so the Abandon reaches decode after it
+                await asyncio.wait([task.early_commit])
             await (self._connected(task) or self._sender("grpc")).abandon(
                 task.target, self.transfer_timeout_s)
 
@@ -249,6 +254,7 @@ class PrefillScheduler:
         and is connected already; the others transfer after the step."""
         if not self.layerwise:
             return []
+        loop = asyncio.get_running_loop()
         writes = []
         for task in finishing:
             sender = self._connected(task)
@@ -256,8 +262,19 @@ class PrefillScheduler:
                     and len(task.pages) == len(task.target.page_ids):
                 task.write = sender.start_write(task.target.address, task.pages,
                                                 task.target.page_ids)
+                task.write.on_sent = lambda t=task, s=sender: loop.call_soon_threadsafe(
+                    self._commit_early, t, s)
                 writes.append(task.write)
         return writes
+
+    def _commit_early(self, task: PrefillTask, sender: TransferSender) -> None:
+        """Commits a prompt whose last layer is on its way (writes pending): the round trip
+        overlaps the end of the step instead of following it."""
+        if not task.aborted and task.early_commit is None:
+            task.early_commit = self._spawn(sender.commit(
+                task.target, len(task.prompt_ids), self.transfer_timeout_s, writes_pending=True))
+            # Its error, if any, is the transfer's to report (or moot once the request failed).
+            task.early_commit.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     async def _transfer(self, task: PrefillTask, first_token: int) -> None:
         started = time.perf_counter()
@@ -265,7 +282,10 @@ class PrefillScheduler:
             if task.write is not None:   # sent during the step: wait for the last layer
                 sender = self._connected(task)
                 await task.write.wait(self.transfer_timeout_s)
-                await sender.commit(task.target, len(task.prompt_ids), self.transfer_timeout_s)
+                if task.early_commit is not None:   # committed during the step
+                    await asyncio.shield(task.early_commit)
+                else:
+                    await sender.commit(task.target, len(task.prompt_ids), self.transfer_timeout_s)
                 moved, mode = len(task.pages) * self.pool.bytes_per_page, "layerwise"
             else:
                 engine, reason = await self._engine_for(task.target)

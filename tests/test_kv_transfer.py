@@ -187,6 +187,29 @@ def test_pages_released_before_commit_wait_for_a_one_sided_sender():
         await asyncio.sleep(0.5)
         assert pool.allocator.num_free == total              # back after one lease
 
+        # Committed during the prefill step, writes still in flight: fenced when released.
+        await table.reserve("g", 8, 4)
+        table.commit("g", 8, landed=False)
+        table.release("g")
+        assert table.num_fenced_pages > 0
+        table.abandon("g")
+        assert pool.allocator.num_free == total and table.num_fenced_pages == 0
+
+        await table.reserve("h", 8, 4)
+        table.release("h")
+        with pytest.raises(Exception, match="no reservation"):
+            table.commit("h", 8, landed=False)               # says nothing of the writes ending
+        assert table.num_fenced_pages > 0
+        table.abandon("h")
+        assert pool.allocator.num_free == total
+
+        # The router's Decode follows the prefill's reply, which waited for the writes.
+        await table.reserve("i", 8, 4)
+        table.commit("i", 8, landed=False)
+        assert table.start_decoding("i").landed
+        table.release("i")
+        assert pool.allocator.num_free == total and table.num_fenced_pages == 0
+
         table.fence_released = False                         # grpc only: freed at once
         await table.reserve("f", 8, 4)
         table.release("f")
@@ -218,4 +241,63 @@ def test_concurrent_prepares_share_one_connect():
             await sender.close()
             await server.stop(0)
 
+    asyncio.run(scenario())
+
+
+def test_layerwise_sender_commits_before_its_writes_land(tiny_runner):
+    """A one-sided layer-wise write commits from the step (writes pending), overlapping the
+    round trip with the step's end; the prefill replies only once the pages have landed, and
+    they match what this process computed."""
+    pytest.importorskip("kv_transfer.nixl_engine").nixl_api()
+    from kv_transfer.base import KVTarget
+    from pdserve.engine.batch import SeqInput
+    from pdserve.engine.sampling import SampleRow
+    from pdserve.metrics import PrefillMetrics
+    from prefill_service.scheduler import PrefillScheduler, PrefillTask
+
+    async def scenario():
+        src = tiny_runner.pool
+        dst = _pool(src.layout, num_pages=128)
+        server, table = await _decode_side(dst)
+        commits = []
+        real_commit = table.commit
+
+        def commit(request_id, num_tokens, landed=True):
+            commits.append((request_id, landed))
+            real_commit(request_id, num_tokens, landed)
+
+        table.commit = commit
+        scheduler = PrefillScheduler(tiny_runner, chunk_size=64, max_queued=8,
+                                     transfer_timeout_s=10, metrics=PrefillMetrics("t"))
+        loop_task = asyncio.create_task(scheduler.run())
+        free_before = src.allocator.num_free
+        try:
+            prompt = list(b"pages leave layer by layer")
+            for request_id in ("warm", "r1"):   # the first may find the engine connecting
+                res = await table.reserve(request_id, len(prompt), 4)
+                target = KVTarget("nixl", f"127.0.0.1:{server.port}", request_id,
+                                  res.pages[:res.prompt_pages])
+                token = await scheduler.submit(PrefillTask(request_id, prompt,
+                                                           SamplingParams(max_new_tokens=4),
+                                                           target))
+            assert commits[-1] == ("r1", False)
+            assert table.get("r1").state.value == "committed"
+            assert token == local.generate(tiny_runner, prompt, SamplingParams(max_new_tokens=1))[0]
+            assert src.allocator.num_free == free_before    # the prompt's pages are back
+            # The decode pool holds what a single process computes for this prompt.
+            pages = src.allocator.alloc(res.prompt_pages)
+            try:
+                tiny_runner.step([SeqInput(prompt, 0, pages)],
+                                 [SampleRow(SamplingParams(), output_index=0)])
+                expected = src.read_pages(pages)
+                got = dst.read_pages(res.pages[:res.prompt_pages])
+                filled = len(prompt) - (res.prompt_pages - 1) * src.layout.page_size
+                assert torch.equal(got[:, :, :-1], expected[:, :, :-1])
+                assert torch.equal(got[:, :, -1, :filled], expected[:, :, -1, :filled])
+            finally:
+                src.allocator.free(pages)
+        finally:
+            loop_task.cancel()
+            await scheduler.shutdown()
+            await server.stop(0)
     asyncio.run(scenario())

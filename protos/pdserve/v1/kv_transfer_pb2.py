@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.pdserve.v1 import worker_pb2 as protos_dot_pdserve_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#protos/pdserve/v1/kv_transfer.proto\x12\npdserve.v1\x1a\x1eprotos/pdserve/v1/worker.proto\"f\n\x10HandshakeRequest\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\"n\n\x11HandshakeResponse\x12\x17\n\x0f\x65ngine_metadata\x18\x01 \x01(\x0c\x12\x0f\n\x07\x65ngines\x18\x02 \x03(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x0f\n\x07on_cuda\x18\x04 \x01(\x08\x12\x10\n\x08gpu_uuid\x18\x05 \x01(\t\"?\n\tPageChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08page_ids\x18\x02 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"+\n\x12WritePagesResponse\x12\x15\n\rbytes_written\x18\x01 \x01(\x04\"7\n\rCommitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"\x10\n\x0e\x43ommitResponse\"$\n\x0e\x41\x62\x61ndonRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x11\n\x0f\x41\x62\x61ndonResponse2\xa9\x02\n\x11KVTransferService\x12H\n\tHandshake\x12\x1c.pdserve.v1.HandshakeRequest\x1a\x1d.pdserve.v1.HandshakeResponse\x12\x45\n\nWritePages\x12\x15.pdserve.v1.PageChunk\x1a\x1e.pdserve.v1.WritePagesResponse(\x01\x12?\n\x06\x43ommit\x12\x19.pdserve.v1.CommitRequest\x1a\x1a.pdserve.v1.CommitResponse\x12\x42\n\x07\x41\x62\x61ndon\x12\x1a.pdserve.v1.AbandonRequest\x1a\x1b.pdserve.v1.AbandonResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#protos/pdserve/v1/kv_transfer.proto\x12\npdserve.v1\x1a\x1eprotos/pdserve/v1/worker.proto\"f\n\x10HandshakeRequest\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\"n\n\x11HandshakeResponse\x12\x17\n\x0f\x65ngine_metadata\x18\x01 \x01(\x0c\x12\x0f\n\x07\x65ngines\x18\x02 \x03(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x0f\n\x07on_cuda\x18\x04 \x01(\x08\x12\x10\n\x08gpu_uuid\x18\x05 \x01(\t\"?\n\tPageChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08page_ids\x18\x02 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"+\n\x12WritePagesResponse\x12\x15\n\rbytes_written\x18\x01 \x01(\x04\"O\n\rCommitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x16\n\x0ewrites_pending\x18\x03 \x01(\x08\"\x10\n\x0e\x43ommitResponse\"$\n\x0e\x41\x62\x61ndonRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x11\n\x0f\x41\x62\x61ndonResponse2\xa9\x02\n\x11KVTransferService\x12H\n\tHandshake\x12\x1c.pdserve.v1.HandshakeRequest\x1a\x1d.pdserve.v1.HandshakeResponse\x12\x45\n\nWritePages\x12\x15.pdserve.v1.PageChunk\x1a\x1e.pdserve.v1.WritePagesResponse(\x01\x12?\n\x06\x43ommit\x12\x19.pdserve.v1.CommitRequest\x1a\x1a.pdserve.v1.CommitResponse\x12\x42\n\x07\x41\x62\x61ndon\x12\x1a.pdserve.v1.AbandonRequest\x1a\x1b.pdserve.v1.AbandonResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,13 +41,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WRITEPAGESRESPONSE']._serialized_start=364
   _globals['_WRITEPAGESRESPONSE']._serialized_end=407
   _globals['_COMMITREQUEST']._serialized_start=409
-  _globals['_COMMITREQUEST']._serialized_end=464
-  _globals['_COMMITRESPONSE']._serialized_start=466
-  _globals['_COMMITRESPONSE']._serialized_end=482
-  _globals['_ABANDONREQUEST']._serialized_start=484
-  _globals['_ABANDONREQUEST']._serialized_end=520
-  _globals['_ABANDONRESPONSE']._serialized_start=522
-  _globals['_ABANDONRESPONSE']._serialized_end=539
-  _globals['_KVTRANSFERSERVICE']._serialized_start=542
-  _globals['_KVTRANSFERSERVICE']._serialized_end=839
+  _globals['_COMMITREQUEST']._serialized_end=488
+  _globals['_COMMITRESPONSE']._serialized_start=490
+  _globals['_COMMITRESPONSE']._serialized_end=506
+  _globals['_ABANDONREQUEST']._serialized_start=508
+  _globals['_ABANDONREQUEST']._serialized_end=544
+  _globals['_ABANDONRESPONSE']._serialized_start=546
+  _globals['_ABANDONRESPONSE']._serialized_end=563
+  _globals['_KVTRANSFERSERVICE']._serialized_start=566
+  _globals['_KVTRANSFERSERVICE']._serialized_end=863
 # @@protoc_insertion_point(module_scope)
