@@ -10,6 +10,7 @@ import torch
 from conftest import free_port, generate, start_roles
 
 from decode_service.reservations import ReservationTable
+from kv_transfer import nixl_installed
 from kv_transfer.grpc_engine import GrpcSender
 from kv_transfer.service import KVTransferServicer
 from pdserve.engine import local
@@ -20,6 +21,7 @@ from pdserve.kvcache.pool import KVLayout, KVPool
 from protos.pdserve.v1 import (decode_pb2, decode_pb2_grpc, generate_pb2,
                                kv_transfer_pb2_grpc)
 
+needs_nixl = pytest.mark.skipif(not nixl_installed(), reason="NIXL is not installed")
 LAYOUT = KVLayout(model="m", dtype="bfloat16", page_size=4, num_layers=3, num_kv_heads=2, head_dim=8)
 
 
@@ -112,8 +114,8 @@ def test_cluster_with_kv_transfer_on_its_own_port(tiny_runner):
         cluster.stop()
 
 
+@needs_nixl
 def test_nixl_engine_moves_random_pages_bit_exactly():
-    pytest.importorskip("kv_transfer.nixl_engine").nixl_api()
     from kv_transfer.nixl_engine import NixlSender
 
     async def scenario():
@@ -139,8 +141,8 @@ def test_nixl_engine_moves_random_pages_bit_exactly():
     asyncio.run(scenario())
 
 
+@needs_nixl
 def test_cluster_with_the_nixl_engine_matches_single_process(tiny_runner):
-    pytest.importorskip("kv_transfer.nixl_engine").nixl_api()
     cluster = start_roles(["prefill", "decode"], decode_flags=["--kv-transfer", "nixl"])
     try:
         prompts = [list(b"nixl moves these pages"), [5] * 150]
@@ -244,11 +246,11 @@ def test_concurrent_prepares_share_one_connect():
     asyncio.run(scenario())
 
 
+@needs_nixl
 def test_layerwise_sender_commits_before_its_writes_land(tiny_runner):
     """A one-sided layer-wise write commits from the step (writes pending), overlapping the
     round trip with the step's end; the prefill replies only once the pages have landed, and
     they match what this process computed."""
-    pytest.importorskip("kv_transfer.nixl_engine").nixl_api()
     from kv_transfer.base import KVTarget
     from pdserve.engine.batch import SeqInput
     from pdserve.engine.sampling import SampleRow
