@@ -5,8 +5,9 @@
 For each engine and mode a cluster (`pdserve up`, one prefill and one decode worker on this
 machine) serves one request at a time with 2 new tokens. Reported per prompt length:
 - handoff_ms: the prefill worker's `pdserve_kv_transfer_duration_seconds`, from the end of the
-  prompt's last prefill step to the decode worker's commit (what the transfer adds to the
-  request, on the server's clock);
+  prompt's last prefill step until its KV has landed and the decode worker has the commit
+  (what the transfer adds to the request, on the server's clock; layer-wise, the commit is
+  sent during the step);
 - prefill_step_ms: the prefill steps of the request (for scale);
 - ttft_ms and second_token_ms: as the client sees them (p50).
 The first request of each length is a warm-up and not counted.

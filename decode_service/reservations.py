@@ -168,7 +168,7 @@ class ReservationTable:
     def release(self, request_id: str, fence: bool = True) -> bool:
         """Frees a reservation's pages; False if there was none. Pages that a one-sided engine
         may still be writing (not committed, or committed with writes pending) are fenced until
-        the sender abandons."""
+        the sender abandons, unless ``fence`` is False (the caller knows no write can land)."""
         res = self._by_id.pop(request_id, None)
         if res is None:
             return False

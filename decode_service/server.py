@@ -84,7 +84,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     @map_errors
     async def Release(self, request: decode_pb2.ReleaseRequest,
                       context: grpc.aio.ServicerContext) -> decode_pb2.ReleaseResponse:
-        released = self.loop.abort(request.request_id) or self.table.release(request.request_id)
+        released = self.loop.abort(request.request_id) or self.table.release(
+            request.request_id, fence=not request.kv_landed)
         return decode_pb2.ReleaseResponse(released=released)
 
     @map_errors

@@ -13,6 +13,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 # From a millisecond to five minutes: LLM latencies span all of it.
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                      10.0, 30.0, 60.0, 120.0, 300.0)
+# The KV hand-off takes a fraction of a millisecond when sent layer by layer.
+HANDOFF_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                     0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TOKEN_LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15,
                            0.25, 0.5, 1.0, 2.5, 10.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024)
@@ -103,9 +106,10 @@ class PrefillMetrics(WorkerMetrics):
                                            "Requests in one prefill step", buckets=BATCH_BUCKETS)
         self.transfer_duration = self._metric(
             Histogram, "pdserve_kv_transfer_duration_seconds",
-            "The hand-off: from the end of a prompt's last prefill step until its KV is "
-            "committed on the decode worker (layer-wise sends start during that step)",
-            buckets=LATENCY_BUCKETS_S)
+            "The hand-off: from the end of a prompt's last prefill step until its KV has "
+            "landed and is committed on the decode worker (layer-wise sends, and their "
+            "commit, start during that step)",
+            buckets=HANDOFF_BUCKETS_S)
         self.transfers = self._metric(Counter, "pdserve_kv_transfers_total",
                                       "KV transfers committed, by engine and mode (layerwise: "
                                       "sent during the prefill step; after_prefill: after it)",

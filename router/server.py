@@ -172,8 +172,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
             finally:
                 if decode_call is not None:
                     decode_call.cancel()
-                if not finished_on_decode:
-                    self._release_later(decode_worker, job.worker_request_id)
+                if not finished_on_decode:   # the prefill replied: its writes have landed
+                    self._release_later(decode_worker, job.worker_request_id, kv_landed=True)
 
     async def _prefill(self, job: GenerationJob,
                        context: grpc.aio.ServicerContext) -> tuple[Worker, int]:
@@ -222,12 +222,13 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
         assert last_error is not None
         raise last_error
 
-    def _release_later(self, worker: Worker, request_id: str) -> None:
-        """Frees the request's decode reservation in the background (cancellation-proof)."""
+    def _release_later(self, worker: Worker, request_id: str, kv_landed: bool = False) -> None:
+        """Frees the request's decode reservation in the background (cancellation-proof).
+        ``kv_landed``: its prefill has replied, so no write into those pages can still land."""
         async def release() -> None:
             try:
-                await worker.stub.Release(decode_pb2.ReleaseRequest(request_id=request_id),
-                                          timeout=10)
+                await worker.stub.Release(decode_pb2.ReleaseRequest(
+                    request_id=request_id, kv_landed=kv_landed), timeout=10)
             except Exception as err:  # noqa: BLE001 - best effort; the lease frees it anyway
                 log.warning("release of %s on %s failed: %s", request_id, worker.address, err)
         task = asyncio.get_running_loop().create_task(release())

@@ -26,6 +26,16 @@ def test_finished_request_returns_all_pages(cluster):
     assert cluster.wait_free_pages(before) == before
 
 
+def test_one_token_request_returns_all_pages_without_waiting_for_a_lease(cluster):
+    """No Decode call follows a request done at its first token: the router's release says its
+    KV has landed, so pages that a layer-wise sender committed early are not held for a lease."""
+    before = cluster.free_pages()
+    for _ in range(3):
+        ids, _, _, _ = generate(cluster.stub(), text="y" * 90, sampling=S(max_new_tokens=1))
+        assert len(ids) == 1
+        assert cluster.wait_free_pages(before, timeout_s=1.5) == before   # the lease is 3 s
+
+
 def test_cancelled_stream_returns_all_pages(cluster):
     before = cluster.free_pages()
     call = cluster.stub().Generate(_long_request(), timeout=60)
