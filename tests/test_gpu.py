@@ -236,11 +236,15 @@ def test_peer_copier_moves_pages_between_two_gpus():
     src = torch.randn(3, 2, 50, 16, 2, 128, device="cuda:0").bfloat16()
     dst = torch.zeros(3, 2, 70, 16, 2, 128, device="cuda:1", dtype=torch.bfloat16)
     plane_bytes = src[0, 0, 0].numel() * 2
+    # Staging of 5 pages: rounds of 5 pages.
     copier = PeerCopier(torch.cuda.Stream("cuda:0"), src, dst, staging_bytes=6 * 5 * plane_bytes)
     rng = random.Random(11)
     src_pages, dst_pages = rng.sample(range(1, 50), 23), rng.sample(range(1, 70), 23)
-    copier.copy(src, dst, torch.tensor(src_pages, device="cuda:0"),
-                torch.tensor(dst_pages, device="cuda:1"))  # rounds of 5 pages
+    # Two copies back to back (the second reuses both buffers while the first may be running).
+    halves = [slice(0, 17), slice(17, 23)]
+    for part in halves:
+        copier.copy(src, dst, torch.tensor(src_pages[part], device="cuda:0"),
+                    torch.tensor(dst_pages[part], device="cuda:1"))
     copier.remote_stream.synchronize()
     assert torch.equal(dst[:, :, dst_pages].cpu(), src[:, :, src_pages].cpu())
     untouched = [p for p in range(70) if p not in dst_pages]
