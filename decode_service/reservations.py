@@ -45,7 +45,7 @@ class Reservation:
     pages: list[int]                # prompt pages first, then room for generated tokens
     prompt_pages: int
     state: State = State.RESERVED
-    landed: bool = False            # the prompt's KV writes are all in (no write can still land)
+    landed: bool = False            # no KV write can still land (False while RESERVED)
     lease: asyncio.TimerHandle | None = field(default=None, repr=False)
 
 
@@ -174,9 +174,7 @@ class ReservationTable:
             return False
         if res.lease:
             res.lease.cancel()
-        in_flight = res.state is State.RESERVED or (res.state is State.COMMITTED
-                                                      and not res.landed)
-        if fence and self.fence_released and in_flight:
+        if fence and self.fence_released and not res.landed:
             timer = asyncio.get_running_loop().call_later(self.lease_timeout_s, self._unfence,
                                                           request_id)
             self._fenced[request_id] = (res.pages, timer)
