@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: up test stubs clean test-tools
+.PHONY: up test stubs chart-flags clean test-tools
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,11 @@ test-tools:
 
 stubs: $(VENV)/.test
 	$(PY) -m protos.generate_stubs
+
+# The Helm chart's list of each role's flags, from the config dataclasses (pdserve/config.py).
+chart-flags: $(VENV)/.base
+	$(PY) -c "import json; from pdserve.cli import CHART_FLAGS, chart_flags; \
+	open(CHART_FLAGS, 'w').write(json.dumps(chart_flags(), indent=1, sort_keys=True) + '\n')"
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -23,7 +23,8 @@ from pdserve.config import EngineConfig  # noqa: E402
 from pdserve.engine.batch import SeqInput  # noqa: E402
 from pdserve.engine.cuda_graph import PADDING_ROW  # noqa: E402
 from pdserve.engine.runner import ModelRunner  # noqa: E402
-from pdserve.engine.sampling import SampleRow, SamplingParams, sample  # noqa: E402
+from pdserve.engine.sampling import sample  # noqa: E402
+from pdserve.sampling_params import SampleRow, SamplingParams  # noqa: E402
 
 
 def _host_breakdown(runner: ModelRunner, seqs: list[SeqInput], params: list[SampleRow],
@@ -66,17 +67,13 @@ def main() -> None:
                         help="batch-1 linear layers through cuBLAS, not the Triton GEMV")
     parser.add_argument("--out", default="bench/results/decode.json")
     args = parser.parse_args()
-    from pdserve.models.ops import CudaOps
-
-    if args.unfused_rope_kv:
-        CudaOps.fuses_rope_kv = lambda self, head_dim: False  # type: ignore[method-assign]
-    if args.cublas_gemv:
-        CudaOps.has_gemv = False
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     pages_per_seq = -(-(args.context + 1) // args.page_size)
     runner = ModelRunner(EngineConfig(model=args.model, page_size=args.page_size,
                                       num_pages=max(sizes) * pages_per_seq + 64,
-                                      cuda_graph_max_bs=max(sizes)), "decode")
+                                      cuda_graph_max_bs=max(sizes),
+                                      fused_rope_kv=not args.unfused_rope_kv,
+                                      triton_gemv=not args.cublas_gemv), "decode")
     cfg = runner.model_config
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     if cfg.tie_word_embeddings:  # the embedding table is read as the LM head too
@@ -91,13 +88,9 @@ def main() -> None:
         params = [SampleRow(SamplingParams(), 1) for _ in range(bs)]
         result = {"batch_size": bs}
         for mode in ("cuda_graph", "eager"):
-            graphs = runner.graphs
-            if mode == "eager":
-                runner.graphs = None
-            try:
-                ms = cuda_time_ms(lambda: sample(runner.forward(seqs), params), iters=args.iters)
-            finally:
-                runner.graphs = graphs
+            eager = mode == "eager"
+            ms = cuda_time_ms(lambda: sample(runner.forward(seqs, eager=eager), params),
+                              iters=args.iters)
             step_bytes = weight_bytes + bs * (args.context + 1) * kv_bytes_per_token
             result[mode] = {"step_ms": round(ms, 4), "tokens_per_s": round(bs / ms * 1e3, 1),
                             "mbu": round(step_bytes / (ms / 1e3) / bandwidth, 4)}
@@ -120,7 +113,7 @@ def main() -> None:
     write_results(args.out, "decode", {
         "model": args.model, "context": args.context, "page_size": args.page_size,
         "attention_backend": runner.backend_name, "layer_kernels": runner.model.ops.name,
-        "fused_rope_kv": runner.model.fuse_rope_kv, "triton_gemv": runner.model.ops.has_gemv,
+        "fused_rope_kv": runner.model.fuse_rope_kv, "triton_gemv": runner.model.use_gemv,
         "weight_bytes": weight_bytes, "copy_bandwidth_bytes_per_s": bandwidth,
         "bandwidth_floor_bs1_ms": round(floor_ms + kv_bytes_per_token * (args.context + 1)
                                         / bandwidth * 1e3, 4),

@@ -26,7 +26,7 @@ from common import copy_bandwidth_bytes_per_s, cuda_time_ms, write_results  # no
 from decode_service.reservations import ReservationTable  # noqa: E402
 from kv_transfer.base import KVTarget  # noqa: E402
 from kv_transfer.copy_kernel import copy_pages  # noqa: E402
-from kv_transfer.grpc_engine import GrpcSender  # noqa: E402
+from kv_transfer.link import DecodeLinks  # noqa: E402
 from kv_transfer.service import KVTransferServicer  # noqa: E402
 from pdserve.grpc_util import Server  # noqa: E402
 from pdserve.kvcache.pool import KVLayout, KVPool  # noqa: E402
@@ -40,26 +40,28 @@ def _pool(num_pages: int) -> KVPool:
 
 
 async def _grpc_ms(src: KVPool, dst: KVPool, pages: int, iters: int) -> float:
-    table = ReservationTable(dst, max_queued=4, wait_s=5, lease_timeout_s=60)
+    table = ReservationTable(dst, max_queued=4, wait_s=5, lease_timeout_s=60,
+                             unseen_writes_possible=False)
     server = Server("127.0.0.1", 0)
     server.add(kv_transfer_pb2_grpc.add_KVTransferServiceServicer_to_server,
-               KVTransferServicer(dst, table), [])
+               KVTransferServicer(dst, table, "grpc"), [])
     await server.start()
-    sender = GrpcSender(src)
+    links = DecodeLinks(src, timeout_s=60)
     total = 0.0
     try:
+        link = await links.get(f"127.0.0.1:{server.port}")
         for i in range(iters + 1):
             res = await table.reserve(f"r{i}", pages * 16, 1)
-            target = KVTarget("grpc", f"127.0.0.1:{server.port}", f"r{i}", res.pages[:pages])
+            target = KVTarget(f"127.0.0.1:{server.port}", f"r{i}", res.pages[:pages])
             torch.cuda.synchronize()
             started = time.perf_counter()
-            await sender.send(list(range(1, pages + 1)), target, pages * 16, 60)
+            await link.send(target, list(range(1, pages + 1)), pages * 16)
             torch.cuda.synchronize()
-            if i:  # the first one includes the handshake
+            if i:  # the first one warms the path up
                 total += time.perf_counter() - started
             table.release(f"r{i}")
     finally:
-        await sender.close()
+        await links.close()
         await server.stop(0)
     return total / iters * 1e3
 

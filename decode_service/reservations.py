@@ -1,29 +1,19 @@
-"""Reservations: KV pages held for a request from Reserve until its decode ends (a lease).
+"""Reservations: KV pages held for a request from Reserve until its decode ends.
 
 Admission control lives here: a Reserve waits (FIFO, bounded) for pages; one that can never fit,
-or finds the wait queue full, or waits too long, gets RESOURCE_EXHAUSTED. Everything runs on the
-server's event loop thread.
-
-Fences: with an engine that writes into our pool without us (cuda_ipc, nixl), a reservation
-released before its commit may still be written to by a prefill that has not stopped yet (a
-layer-wise send runs during a whole prefill step). Its pages are held back until that prefill
-abandons the request (or commits it), or at the latest one lease timeout later, so they are never
-handed to another request while stale writes can land.
-
-A one-sided sender may commit before its writes have landed (``writes_pending``), to keep the
-Commit round trip off the hand-off. Such a reservation is COMMITTED but not ``landed``: released,
-it is fenced like an uncommitted one. The router's Decode call marks it landed: the router sends
-it only after the prefill worker's reply, which that worker sends once its writes have landed.
+or finds the wait queue full, or waits too long, gets RESOURCE_EXHAUSTED. Each reservation's
+state follows ``handoff_state.transition``; this table applies it and does what entering a state
+means (start or stop a timer, free the pages). Everything runs on the event loop's thread.
 """
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from decode_service.handoff_state import LEASED, Event, IllegalTransition, State, transition
 from pdserve.errors import InvalidRequest, Overloaded, UnknownRequest
 from pdserve.kvcache.pool import KVPool
 from pdserve.metrics import DecodeMetrics
@@ -31,13 +21,7 @@ from pdserve.metrics import DecodeMetrics
 log = logging.getLogger(__name__)
 
 
-class State(enum.Enum):
-    RESERVED = "reserved"       # pages held, waiting for prefill's KV
-    COMMITTED = "committed"     # prompt KV complete, waiting for Decode
-    DECODING = "decoding"       # owned by the decode loop
-
-
-@dataclass
+@dataclass(eq=False)
 class Reservation:
     request_id: str
     prompt_len: int
@@ -45,25 +29,26 @@ class Reservation:
     pages: list[int]                # prompt pages first, then room for generated tokens
     prompt_pages: int
     state: State = State.RESERVED
-    landed: bool = False            # no KV write can still land (False while RESERVED)
-    lease: asyncio.TimerHandle | None = field(default=None, repr=False)
+    timer: asyncio.TimerHandle | None = field(default=None, repr=False)  # lease or fence
+    landed: asyncio.Future | None = field(default=None, repr=False)      # for Decode to await
 
 
 class ReservationTable:
     def __init__(self, pool: KVPool, max_queued: int, wait_s: float, lease_timeout_s: float,
-                 metrics: DecodeMetrics | None = None) -> None:
+                 unseen_writes_possible: bool, metrics: DecodeMetrics | None = None) -> None:
         self.pool = pool
         self.metrics = metrics
         self.max_queued = max_queued
         self.wait_s = wait_s
         self.lease_timeout_s = lease_timeout_s
-        self._by_id: dict[str, Reservation] = {}
+        # This worker offers a one-sided engine: writes may land without passing through us.
+        self.unseen_writes_possible = unseen_writes_possible
+        self._by_id: dict[str, Reservation] = {}       # every state but RELEASED
         self._waiters: deque[asyncio.Future] = deque()
-        self.fence_released = False    # set once a one-sided engine (cuda_ipc, nixl) is in use
-        self._fenced: dict[str, tuple[list[int], asyncio.TimerHandle]] = {}
 
     def __len__(self) -> int:
-        return len(self._by_id)
+        """Reservations not fenced (what a client would call open)."""
+        return sum(1 for r in self._by_id.values() if r.state is not State.FENCED)
 
     @property
     def num_waiting(self) -> int:
@@ -71,7 +56,7 @@ class ReservationTable:
 
     @property
     def num_fenced_pages(self) -> int:
-        return sum(len(pages) for pages, _ in self._fenced.values())
+        return sum(len(r.pages) for r in self._by_id.values() if r.state is State.FENCED)
 
     def pages_needed(self, prompt_len: int, max_new_tokens: int) -> int:
         # KV is stored for the prompt and every generated token but the last.
@@ -87,18 +72,18 @@ class ReservationTable:
         if needed > allocator.total:
             raise Overloaded(f"request needs {needed} KV pages; this decode worker has "
                              f"{allocator.total} in all")
+        waited_from = time.monotonic()
         if self._waiters or not allocator.can_alloc(needed):
-            waited_from = time.monotonic()
             await self._wait_for(needed)
-            if self.metrics:
-                self.metrics.queue_wait.observe(time.monotonic() - waited_from)
-        elif self.metrics:
-            self.metrics.queue_wait.observe(0.0)
+        if self.metrics:
+            self.metrics.queue_wait.observe(time.monotonic() - waited_from)
+        if request_id in self._by_id:  # the same id reserved again while we waited
+            self._wake_next()
+            raise InvalidRequest(f"request {request_id!r} already has a reservation")
         res = Reservation(request_id, prompt_len, max_new_tokens, allocator.alloc(needed),
                           prompt_pages=self.pool.pages_for(prompt_len))
         self._by_id[request_id] = res
-        res.lease = asyncio.get_running_loop().call_later(
-            self.lease_timeout_s, self._expire, request_id, res)
+        self._start_timer(res, self.lease_timeout_s, Event.LEASE_EXPIRED)
         self._wake_next()
         return res
 
@@ -114,9 +99,7 @@ class ReservationTable:
         except asyncio.TimeoutError:
             raise Overloaded(f"no KV pages for {needed} pages within {self.wait_s:g} s") from None
         finally:
-            if self._waiters and self._waiters[0] is waiter:
-                self._waiters.popleft()
-            elif waiter in self._waiters:
+            if waiter in self._waiters:
                 self._waiters.remove(waiter)
             waiter.cancel()
 
@@ -129,77 +112,99 @@ class ReservationTable:
 
     def get(self, request_id: str) -> Reservation:
         res = self._by_id.get(request_id)
-        if res is None:
+        if res is None or res.state is State.FENCED:
             raise UnknownRequest(f"no reservation for request {request_id!r} (expired or released)")
         return res
 
-    # TransferSink
-    def check_write(self, request_id: str, page_ids: list[int]) -> None:
-        res = self.get(request_id)
-        if res.state is not State.RESERVED:
-            raise InvalidRequest(f"request {request_id!r} is {res.state.value}, not receiving KV")
-        allowed = set(res.pages[:res.prompt_pages])
-        if not allowed.issuperset(page_ids):
-            raise InvalidRequest(f"pages outside request {request_id!r}'s reservation")
+    # Events from the transfer service (the sender's reports: kv_transfer.base.TransferSink).
 
-    def commit(self, request_id: str, num_tokens: int, landed: bool = True) -> None:
-        """The prompt's KV is complete (``landed``) or, from a one-sided sender, all enqueued
-        (writes may still land until the router's Decode call or the sender's Abandon)."""
-        if landed and request_id in self._fenced:  # released meanwhile: the writes ended
-            self._unfence(request_id)
+    def on_write(self, request_id: str, page_ids: list[int]) -> None:
+        """KV for ``page_ids`` arrived; raises unless they are this reservation's prompt pages."""
         res = self.get(request_id)
-        if res.state is not State.RESERVED:
-            raise InvalidRequest(f"request {request_id!r} is {res.state.value}; cannot commit")
+        if not set(res.pages[:res.prompt_pages]).issuperset(page_ids):
+            raise InvalidRequest(f"pages outside request {request_id!r}'s reservation")
+        self._fire(res, Event.WRITE)
+
+    def on_commit(self, request_id: str, num_tokens: int, writes_pending: bool) -> None:
+        res = self.get(request_id)
         if num_tokens != res.prompt_len:
             raise InvalidRequest(f"commit of {num_tokens} tokens; reserved for {res.prompt_len}")
-        res.state = State.COMMITTED
-        res.landed = landed
+        self._fire(res, Event.COMMIT_PENDING if writes_pending else Event.COMMIT)
 
-    def start_decoding(self, request_id: str) -> Reservation:
+    def on_writes_landed(self, request_id: str) -> None:
+        res = self._by_id.get(request_id)
+        if res is None:
+            raise UnknownRequest(f"no reservation for request {request_id!r} (expired or released)")
+        self._fire(res, Event.WRITES_LANDED)
+
+    def on_writes_abandoned(self, request_id: str) -> None:
+        """The sender writes no more for ``request_id``: free it unless it is decoding."""
+        res = self._by_id.get(request_id)
+        if res is not None:
+            self._fire(res, Event.WRITES_ABANDONED)
+
+    # Events from the router and the decode loop.
+
+    async def start_decoding(self, request_id: str) -> Reservation:
+        """Hands the reservation to the decode loop once its KV has landed (a sender that
+        committed with writes pending says so itself; the lease bounds the wait)."""
         res = self.get(request_id)
-        if res.state is not State.COMMITTED:
-            raise InvalidRequest(f"request {request_id!r} is {res.state.value}; its KV is not committed")
-        res.state = State.DECODING
-        res.landed = True   # Decode follows the prefill's reply, sent once its writes landed
-        if res.lease:
-            res.lease.cancel()
+        if res.state is State.COMMITTED_PENDING:
+            if res.landed is None:
+                res.landed = asyncio.get_running_loop().create_future()
+                res.landed.add_done_callback(lambda f: f.cancelled() or f.exception())
+            await asyncio.shield(res.landed)
+        self._fire(res, Event.DECODE)
         return res
 
-    def release(self, request_id: str, fence: bool = True) -> bool:
-        """Frees a reservation's pages; False if there was none. Pages that a one-sided engine
-        may still be writing (not committed, or committed with writes pending) are fenced until
-        the sender abandons, unless ``fence`` is False (the caller knows no write can land)."""
-        res = self._by_id.pop(request_id, None)
+    def release(self, request_id: str) -> bool:
+        """Done with ``request_id`` (idempotent): its pages are freed, or fenced while a
+        sender's writes may still land. False if there was nothing to release."""
+        res = self._by_id.get(request_id)
         if res is None:
             return False
-        if res.lease:
-            res.lease.cancel()
-        if fence and self.fence_released and not res.landed:
-            timer = asyncio.get_running_loop().call_later(self.lease_timeout_s, self._unfence,
-                                                          request_id)
-            self._fenced[request_id] = (res.pages, timer)
-            return True
-        self.pool.allocator.free(res.pages)
-        self._wake_next()
-        return True
+        was_open = res.state is not State.FENCED
+        self._fire(res, Event.RELEASE)
+        return was_open
 
-    def abandon(self, request_id: str) -> None:
-        """The prefill side writes no more for ``request_id``: free it, fenced or held."""
-        self.release(request_id, fence=False)
-        self._unfence(request_id)
-
-    def _unfence(self, request_id: str) -> None:
-        fenced = self._fenced.pop(request_id, None)
-        if fenced is not None:
-            pages, timer = fenced
-            timer.cancel()
-            self.pool.allocator.free(pages)
+    def _fire(self, res: Reservation, event: Event) -> None:
+        before = res.state
+        try:
+            res.state = transition(before, event, self.unseen_writes_possible)
+        except IllegalTransition as err:
+            raise InvalidRequest(f"request {res.request_id!r}: {err}") from None
+        if res.state is before:
+            return
+        if res.landed is not None and not res.landed.done():
+            if res.state is State.LANDED:
+                res.landed.set_result(None)
+            elif res.state in (State.FENCED, State.RELEASED):
+                res.landed.set_exception(UnknownRequest(
+                    f"reservation {res.request_id!r} was {event.value}d before its KV landed"))
+        if res.state is State.FENCED:
+            log.debug("reservation %s fenced (%s): %d pages held until its writes end",
+                      res.request_id, event.value, len(res.pages))
+            self._start_timer(res, self.lease_timeout_s, Event.FENCE_EXPIRED)
+        elif res.state not in LEASED and res.timer is not None:
+            res.timer.cancel()
+            res.timer = None
+        if res.state is State.RELEASED:
+            del self._by_id[res.request_id]
+            self.pool.allocator.free(res.pages)
             self._wake_next()
 
-    def _expire(self, request_id: str, res: Reservation) -> None:
-        if self._by_id.get(request_id) is res and res.state is not State.DECODING:
-            log.warning("reservation %s expired in state %s; freeing %d pages",
-                        request_id, res.state.value, len(res.pages))
+    def _start_timer(self, res: Reservation, delay_s: float, event: Event) -> None:
+        if res.timer is not None:
+            res.timer.cancel()
+        res.timer = asyncio.get_running_loop().call_later(delay_s, self._on_timer, res, event)
+
+    def _on_timer(self, res: Reservation, event: Event) -> None:
+        res.timer = None
+        if self._by_id.get(res.request_id) is not res:
+            return
+        if event is Event.LEASE_EXPIRED:
+            log.warning("reservation %s expired in state %s; releasing %d pages",
+                        res.request_id, res.state.value, len(res.pages))
             if self.metrics:
                 self.metrics.reservations_expired.inc()
-            self.release(request_id)
+        self._fire(res, event)

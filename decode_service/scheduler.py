@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from decode_service.reservations import Reservation, ReservationTable
 from pdserve.engine.batch import SeqInput
 from pdserve.engine.runner import ModelRunner
-from pdserve.engine.sampling import SampleRow, SamplingParams
 from pdserve.metrics import DecodeMetrics
+from pdserve.sampling_params import SampleRow, SamplingParams, finish_reason, sample_row
 
 log = logging.getLogger(__name__)
 
@@ -41,21 +41,14 @@ class DecodeRequest:
     done: bool = False
 
     def finish_reason(self) -> str | None:
-        if self.generated[-1] in self.params.stop_token_ids:
-            return "stop"
-        if len(self.generated) >= self.params.max_new_tokens:
-            return "length"
-        return None
+        return finish_reason(self.params, self.generated)
 
     def seq_input(self) -> SeqInput:
         last_pos = self.reservation.prompt_len + len(self.generated) - 1
         return SeqInput([self.generated[-1]], last_pos, self.reservation.pages)
 
     def sample_row(self) -> SampleRow:
-        history = (self.prompt_ids + self.generated
-                   if self.params.repetition_penalty != 1.0 else None)
-        return SampleRow(self.params, output_index=self.output_offset + len(self.generated),
-                         history=history)
+        return sample_row(self.params, self.prompt_ids, self.generated, self.output_offset)
 
 
 class DecodeLoop:
@@ -111,50 +104,63 @@ class DecodeLoop:
         self.table.release(req.request_id)
 
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
+        """The loop: admit waiting requests -> run one step -> hand out its tokens."""
         while True:
-            while self._waiting and len(self._running) < self.max_running:
-                req = self._waiting.popleft()
-                self._running[req.request_id] = req
+            self._admit()
             self._publish_load()
             if not self._running:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             batch = list(self._running.values())
-            self._in_step = {r.request_id for r in batch}
-            step_started = time.perf_counter()
-            try:
-                tokens = await loop.run_in_executor(
-                    self._executor, self.runner.step,
-                    [r.seq_input() for r in batch], [r.sample_row() for r in batch])
-            except Exception:
-                log.exception("decode step failed; aborting its %d requests", len(batch))
-                for req in batch:
-                    if not req.done:
-                        req.updates.put_nowait(Update([], "error"))
-                        self.abort(req.request_id)
-                tokens = None
-            finally:
-                self._in_step = set()
-            self.metrics.step_duration.observe(time.perf_counter() - step_started)
-            self.metrics.batch_size.observe(len(batch))
-            self.metrics.steps.labels(self.runner.last_step_mode).inc()
+            tokens = await self._run_step(batch)
+            self._process(batch, tokens)
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.max_running:
+            req = self._waiting.popleft()
+            self._running[req.request_id] = req
+
+    async def _run_step(self, batch: list[DecodeRequest]) -> list[int] | None:
+        """One decode step over ``batch``; its tokens, or None if it failed (its requests are
+        then ended with an error)."""
+        self._in_step = {r.request_id for r in batch}
+        step_started = time.perf_counter()
+        tokens, mode = None, "eager"
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(
+                self._executor, self.runner.step,
+                [r.seq_input() for r in batch], [r.sample_row() for r in batch])
+            tokens, mode = result.tokens, result.mode
+        except Exception:
+            log.exception("decode step failed; aborting its %d requests", len(batch))
             for req in batch:
-                if req.done:  # aborted during the step: its pages could not be freed until now
-                    self.table.release(req.request_id)
-            if tokens is None:
+                if not req.done:
+                    req.updates.put_nowait(Update([], "error"))
+                    self.abort(req.request_id)
+        finally:
+            self._in_step = set()
+        self.metrics.step_duration.observe(time.perf_counter() - step_started)
+        self.metrics.batch_size.observe(len(batch))
+        self.metrics.steps.labels(mode).inc()
+        return tokens
+
+    def _process(self, batch: list[DecodeRequest], tokens: list[int] | None) -> None:
+        for req in batch:
+            if req.done:  # aborted during the step: its pages could not be freed until now
+                self.table.release(req.request_id)
+        if tokens is None:
+            return
+        self.metrics.generated_tokens.inc(len(batch))
+        for req, token in zip(batch, tokens):
+            if req.done:
                 continue
-            self.metrics.generated_tokens.inc(len(batch))
-            for req, token in zip(batch, tokens):
-                if req.done:
-                    continue
-                req.generated.append(token)
-                reason = req.finish_reason()
-                if reason is None:
-                    req.updates.put_nowait(Update([token]))
-                else:
-                    self._finish(req, Update([token], reason))
+            req.generated.append(token)
+            reason = req.finish_reason()
+            if reason is None:
+                req.updates.put_nowait(Update([token]))
+            else:
+                self._finish(req, Update([token], reason))
 
     def _publish_load(self) -> None:
         self.metrics.set_load(len(self._running), len(self._waiting) + self.table.num_waiting)

@@ -9,19 +9,30 @@ import grpc
 
 from decode_service.reservations import ReservationTable
 from decode_service.scheduler import DecodeLoop, DecodeRequest
-from kv_transfer import offered_engines
+from kv_transfer import writes_unseen
 from kv_transfer.base import KVTarget
-from kv_transfer.service import KVTransferServicer
+from kv_transfer.service import KVTransferServicer, offered_engines
 from pdserve.config import DecodeConfig
 from pdserve.engine.runner import ModelRunner
 from pdserve.errors import InvalidRequest, PdserveError
 from pdserve.grpc_util import Server, map_errors
 from pdserve.metrics import DecodeMetrics
 from pdserve.proto_convert import sampling_from_proto, worker_info
-from pdserve.serving import (advertised_address, make_server, serve_until_signal, start_metrics,
-                             worker_id)
-from protos.pdserve.v1 import (decode_pb2, decode_pb2_grpc, generate_pb2, kv_transfer_pb2,
-                               kv_transfer_pb2_grpc, worker_pb2)
+from pdserve.serving import (
+    advertised_address,
+    make_server,
+    serve_until_signal,
+    start_metrics,
+    worker_id,
+)
+from protos.pdserve.v1 import (
+    decode_pb2,
+    decode_pb2_grpc,
+    generate_pb2,
+    kv_transfer_pb2,
+    kv_transfer_pb2_grpc,
+    worker_pb2,
+)
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +42,9 @@ FINISH_REASONS = {"length": generate_pb2.FINISH_REASON_LENGTH,
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     def __init__(self, runner: ModelRunner, table: ReservationTable, loop: DecodeLoop,
-                 address: str, worker: str, engine: str) -> None:
+                 address: str, worker: str, engines: list[str]) -> None:
         self.runner = runner
-        self.engine = engine
+        self.engines = engines
         self.table = table
         self.loop = loop
         self.address = address
@@ -46,14 +57,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             raise InvalidRequest("request_id is required")
         res = await self.table.reserve(request.request_id, request.prompt_len,
                                        request.max_new_tokens)
-        target = KVTarget(self.engine, self.address, request.request_id,
-                          res.pages[:res.prompt_pages])
+        target = KVTarget(self.address, request.request_id, res.pages[:res.prompt_pages])
         return decode_pb2.ReserveResponse(kv_target=target.to_proto())
 
     @map_errors
     async def Decode(self, request: decode_pb2.DecodeRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[decode_pb2.DecodeResponse]:
-        res = self.table.start_decoding(request.request_id)
+        res = await self.table.start_decoding(request.request_id)
         req = DecodeRequest(request.request_id, res, sampling_from_proto(request.sampling),
                             list(request.prompt_token_ids), [request.first_token_id],
                             output_offset=request.output_offset)
@@ -84,8 +94,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     @map_errors
     async def Release(self, request: decode_pb2.ReleaseRequest,
                       context: grpc.aio.ServicerContext) -> decode_pb2.ReleaseResponse:
-        released = self.loop.abort(request.request_id) or self.table.release(
-            request.request_id, fence=not request.kv_landed)
+        released = self.loop.abort(request.request_id) or self.table.release(request.request_id)
         return decode_pb2.ReleaseResponse(released=released)
 
     @map_errors
@@ -93,9 +102,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                             context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
         return worker_info(self.runner, "decode", self.worker, running=self.loop.num_running,
                            queued=self.loop.num_waiting + self.table.num_waiting,
-                           reservations=len(self.table),
-                           engines=(offered_engines(self.runner.device.type == "cuda")
-                                    if self.engine == "auto" else [self.engine]))
+                           reservations=len(self.table), engines=self.engines)
 
 
 async def serve(config: DecodeConfig) -> None:
@@ -103,8 +110,11 @@ async def serve(config: DecodeConfig) -> None:
     server = make_server(config.server)
     worker = worker_id(config.server, "decode", server.port)
     metrics = DecodeMetrics(worker)
+    engines = offered_engines(config.kv_transfer, runner.device.type == "cuda")
     table = ReservationTable(runner.pool, config.max_queued_reservations, config.reserve_wait_s,
-                             config.lease_timeout_s, metrics)
+                             config.lease_timeout_s,
+                             unseen_writes_possible=writes_unseen(engines),
+                             metrics=metrics)
     loop = DecodeLoop(runner, table, config.max_running_requests, metrics)
     # Prefill workers write KV into our KVTransferService: on the main port, or on a port of its
     # own so a NetworkPolicy can open it to prefill pods alone.
@@ -113,17 +123,15 @@ async def serve(config: DecodeConfig) -> None:
         transfer_server = Server(config.server.host, config.kv_transfer_port)
     servicer = DecodeServicer(runner, table, loop,
                               advertised_address(config.server, transfer_server.port), worker,
-                              config.kv_transfer)
-    def fence_released() -> None:
-        table.fence_released = True
-
-    transfer_servicer = KVTransferServicer(runner.pool, table, metrics.transfer_bytes.inc,
-                                           fence_released)
+                              engines)
+    transfer_servicer = KVTransferServicer(runner.pool, table, config.kv_transfer,
+                                           metrics.transfer_bytes.inc)
     if config.kv_transfer != "auto":
         # Fail at start, not at the first request, if the engine's library is missing.
         transfer_servicer.receiver(config.kv_transfer)
-    log.info("decode: KV transfer engine %r (--kv-transfer)%s", config.kv_transfer,
-             "; each prefill worker picks from what we offer" if config.kv_transfer == "auto" else "")
+    log.info("decode: KV transfer with %s (--kv-transfer %s)%s", ", ".join(engines),
+             config.kv_transfer, "; the best each prefill worker can use" if len(engines) > 1
+             else "")
     server.add(decode_pb2_grpc.add_DecodeServiceServicer_to_server, servicer,
                [decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name])
     transfer_server.add(kv_transfer_pb2_grpc.add_KVTransferServiceServicer_to_server,

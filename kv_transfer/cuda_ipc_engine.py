@@ -17,21 +17,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import pickle
+from dataclasses import dataclass
 
 import torch
 
 from kv_transfer import host_identity, local_device_index
-from kv_transfer.base import DecodePeer, PageWrite, TransferSender, TransferSink
+from kv_transfer.base import LayerwiseSender, PageWrite, Peer, Receiver, TransferSink
 from pdserve.errors import TransferFailed
 from pdserve.kvcache.pool import KVPool
 
 log = logging.getLogger(__name__)
 
 
-class CudaIpcReceiver:
+class CudaIpcReceiver(Receiver):
     """Decode side: exports the pool's memory once."""
-
-    name = "cuda_ipc"
 
     def __init__(self, pool: KVPool, sink: TransferSink) -> None:
         if pool.tensor.device.type != "cuda":
@@ -95,18 +94,27 @@ class PeerCopier:
                                     dst_pages[start:start + n])
 
 
+@dataclass
+class RemotePool:
+    """A decode worker's pool as mapped here, and the copier to it if it is on another GPU."""
+
+    tensor: torch.Tensor
+    peer_copier: PeerCopier | None
+
+
 class _IpcWrite(PageWrite):
     """Copies on the sender's side stream, each layer after the compute stream has written it."""
 
-    def __init__(self, sender: CudaIpcSender, remote: torch.Tensor, src_pages: list[int],
-                 dst_pages: list[int], address: str) -> None:
-        super().__init__(sender.pool.layout.num_layers, address)
+    def __init__(self, sender: CudaIpcSender, remote: RemotePool, src_pages: list[int],
+                 dst_pages: list[int]) -> None:
+        super().__init__(sender.pool.layout.num_layers)
         self.sender = sender
-        self.remote = remote
-        self.peer = sender._peer_copiers.get(address)
+        self.remote = remote.tensor
+        self.peer = remote.peer_copier
         self.src = torch.tensor(src_pages, dtype=torch.int32).to(sender.pool.tensor.device,
                                                                   non_blocking=True)
-        self.dst = torch.tensor(dst_pages, dtype=torch.int32).to(remote.device, non_blocking=True)
+        self.dst = torch.tensor(dst_pages, dtype=torch.int32).to(self.remote.device,
+                                                                  non_blocking=True)
         self.event = torch.cuda.Event()
 
     def _send(self, layer: int) -> None:
@@ -140,30 +148,25 @@ class _IpcWrite(PageWrite):
         return self.event.query()  # an event never recorded counts as complete
 
 
-class CudaIpcSender(TransferSender):
-    name = "cuda_ipc"
-    one_sided = True
-
+class CudaIpcSender(LayerwiseSender):
     def __init__(self, pool: KVPool) -> None:
-        super().__init__(pool)
         if pool.tensor.device.type != "cuda":
             raise ImportError("cuda_ipc needs the KV pool on a CUDA device")
         from kv_transfer.copy_kernel import copy_pages
 
+        self.pool = pool
         self.copy_pages = copy_pages
-        self._remote_pools: dict[str, torch.Tensor] = {}
-        self._peer_copiers: dict[str, PeerCopier] = {}   # decode pools on other GPUs
         self.stream = torch.cuda.Stream(device=pool.tensor.device)
 
-    async def _connect(self, peer: DecodePeer) -> None:
+    async def connect(self, peer: Peer) -> RemotePool:
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-        if peer.offer is None or peer.offer.host != host_identity():
+        if peer.host != host_identity():
             raise TransferFailed(f"decode {peer.address} is on another host: cuda_ipc "
                                  "works within one host (use nixl or grpc)")
         local = self.pool.tensor
         args = list(pickle.loads(peer.engine_metadata or b""))
-        device = local_device_index(peer.offer.gpu_uuid)
+        device = local_device_index(peer.gpu_uuid)
         if device is None:
             raise TransferFailed(
                 f"decode {peer.address} keeps its KV on a GPU this process does not see: cuda_ipc "
@@ -187,11 +190,11 @@ class CudaIpcSender(TransferSender):
 
         await asyncio.to_thread(warm_up)
         if peer_copier is not None:
-            self._peer_copiers[peer.address] = peer_copier
             log.info("cuda_ipc to %s: decode pool on %s, ours on %s: peer copies through %d MiB "
                      "of staging on each", peer.address, remote.device, local.device,
                      peer_copier.planes * local[0, 0, 0].numel() * local.element_size() >> 20)
-        self._remote_pools[peer.address] = remote
+        return RemotePool(remote, peer_copier)
 
-    def start_write(self, address: str, src_pages: list[int], dst_pages: list[int]) -> PageWrite:
-        return _IpcWrite(self, self._remote_pools[address], src_pages, dst_pages, address)
+    def start_write(self, remote: RemotePool, src_pages: list[int],
+                    dst_pages: list[int]) -> PageWrite:
+        return _IpcWrite(self, remote, src_pages, dst_pages)

@@ -17,13 +17,14 @@ import socket
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 import torch
 
-from kv_transfer.base import DecodePeer, PageWrite, TransferSender, TransferSink
+from kv_transfer.base import LayerwiseSender, PageWrite, Peer, Receiver, TransferSink
 from pdserve.errors import TransferFailed
 from pdserve.kvcache.pool import KVPool
 
@@ -70,10 +71,8 @@ def page_descriptors(pool: KVPool, page_ids: list[int], base: int, num_pages: in
     return descriptors
 
 
-class NixlReceiver:
+class NixlReceiver(Receiver):
     """Decode side: the pool registered with a NIXL agent; its metadata goes to prefill."""
-
-    name = "nixl"
 
     def __init__(self, pool: KVPool, sink: TransferSink) -> None:
         self.pool = pool
@@ -88,14 +87,27 @@ class NixlReceiver:
             "memory": memory, "device": device_id}).encode()
 
 
+@dataclass
+class RemoteAgent:
+    """A decode worker's agent as added to ours, and where its pool lies."""
+
+    address: str
+    name: str
+    base: int
+    num_pages: int
+    memory: str
+    device: int
+
+
 class _NixlWrite(PageWrite):
     """One NIXL WRITE per layer, posted by the sender's agent thread: on the GPU once the
     compute stream has passed the layer (an event), on the CPU at once."""
 
-    def __init__(self, sender: NixlSender, src_pages: list[int], dst_pages: list[int],
-                 address: str) -> None:
-        super().__init__(sender.pool.layout.num_layers, address)
+    def __init__(self, sender: NixlSender, remote: RemoteAgent, src_pages: list[int],
+                 dst_pages: list[int]) -> None:
+        super().__init__(sender.pool.layout.num_layers)
         self.sender = sender
+        self.remote = remote
         self.src_pages, self.dst_pages = src_pages, dst_pages
         self.futures: list[Future] = []
 
@@ -115,43 +127,41 @@ class _NixlWrite(PageWrite):
         return True
 
 
-class NixlSender(TransferSender):
-    name = "nixl"
-    one_sided = True
-
+class NixlSender(LayerwiseSender):
     def __init__(self, pool: KVPool) -> None:
-        super().__init__(pool)
+        self.pool = pool
         # Every call into the agent happens on this one thread.
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="nixl")
         self.agent = self.thread.submit(_agent, "prefill").result()
         self.thread.submit(self.agent.register_memory, pool.tensor).result()
-        self._remotes: dict[str, tuple[str, dict[str, Any]]] = {}  # address -> (agent, metadata)
 
-    async def _connect(self, peer: DecodePeer) -> None:
+    async def connect(self, peer: Peer) -> RemoteAgent:
         remote = json.loads(peer.engine_metadata or b"{}")
         if "agent" not in remote:
             raise TransferFailed(f"decode {peer.address} sent no NIXL metadata")
         name = await asyncio.get_running_loop().run_in_executor(
             self.thread, self.agent.add_remote_agent, base64.b64decode(remote["agent"]))
-        self._remotes[peer.address] = (name, remote)
+        return RemoteAgent(peer.address, name, remote["base"], remote["num_pages"],
+                           remote["memory"], remote["device"])
 
-    def start_write(self, address: str, src_pages: list[int], dst_pages: list[int]) -> PageWrite:
-        return _NixlWrite(self, src_pages, dst_pages, address)
+    def start_write(self, remote: RemoteAgent, src_pages: list[int],
+                    dst_pages: list[int]) -> PageWrite:
+        return _NixlWrite(self, remote, src_pages, dst_pages)
 
     def post_layer(self, write: _NixlWrite, layer: int, event: Any) -> None:
         """On the agent thread: one WRITE of ``layer``'s pages, waited for until it lands."""
         if event is not None:
             event.synchronize()
-        name, remote = self._remotes[write.address]
+        remote = write.remote
         memory, device_id = _memory(self.pool)
         layers = range(layer, layer + 1)
         local = self.agent.get_xfer_descs(
             page_descriptors(self.pool, write.src_pages, self.pool.tensor.data_ptr(),
                              self.pool.num_pages, device_id, layers), memory)
         dest = self.agent.get_xfer_descs(
-            page_descriptors(self.pool, write.dst_pages, remote["base"], remote["num_pages"],
-                             remote["device"], layers), remote["memory"])
-        handle = self.agent.initialize_xfer("WRITE", local, dest, name, b"")
+            page_descriptors(self.pool, write.dst_pages, remote.base, remote.num_pages,
+                             remote.device, layers), remote.memory)
+        handle = self.agent.initialize_xfer("WRITE", local, dest, remote.name, b"")
         try:
             state = self.agent.transfer(handle)
             while state == "PROC":
@@ -160,8 +170,7 @@ class NixlSender(TransferSender):
         finally:
             handle.release()
         if state != "DONE":
-            raise TransferFailed(f"NIXL write to {write.address} failed ({state})")
+            raise TransferFailed(f"NIXL write to {remote.address} failed ({state})")
 
     async def close(self) -> None:
-        await super().close()
         self.thread.shutdown(wait=False, cancel_futures=True)

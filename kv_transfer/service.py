@@ -1,12 +1,25 @@
-"""KVTransferService: the receiving end of every engine, served by decode workers."""
+"""KVTransferService: the receiving end of every engine, served by decode workers.
+
+The decode worker owns the engine choice (its ``--kv-transfer``; with ``auto``, the best engine
+both sides can use) and makes it at the one handshake each prefill worker does with it. The
+sender's reports (writes, commit, landed, abandon) go to the reservations (a TransferSink).
+"""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import grpc
 
-from kv_transfer import RECEIVERS, create_receiver, gpu_uuid, host_identity, offered_engines
-from kv_transfer.base import TransferSink
+from kv_transfer import (
+    ENGINE_CHOICES,
+    choose_engine,
+    create_receiver,
+    gpu_uuid,
+    host_identity,
+    usable_engines,
+)
+from kv_transfer.base import Receiver, TransferSink
 from kv_transfer.grpc_engine import GrpcReceiver
 from pdserve.errors import LayoutMismatch
 from pdserve.grpc_util import map_errors
@@ -14,34 +27,55 @@ from pdserve.kvcache.pool import KVPool
 from pdserve.proto_convert import layout_from_proto
 from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
-
 log = logging.getLogger(__name__)
 
 
+def offered_engines(configured: str, pool_on_cuda: bool) -> list[str]:
+    """What a decode worker with ``--kv-transfer configured`` can receive with, best first."""
+    if configured not in ENGINE_CHOICES:
+        raise ValueError(f"--kv-transfer {configured!r}: choose one of {', '.join(ENGINE_CHOICES)}")
+    usable = usable_engines(pool_on_cuda)
+    return usable if configured == "auto" else [e for e in usable if e == configured]
+
+
 class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
-    def __init__(self, pool: KVPool, sink: TransferSink, on_bytes=None,  # noqa: ANN001
-                 on_one_sided=None) -> None:  # noqa: ANN001
+    def __init__(self, pool: KVPool, sink: TransferSink, configured: str = "auto",
+                 on_bytes: Callable[[int], None] | None = None) -> None:
         self.pool = pool
         self.sink = sink
-        self.receivers: dict[str, object] = {}
-        # Called when an engine that writes into the pool without us (cuda_ipc, nixl) starts.
-        self.on_one_sided = on_one_sided or (lambda: None)
-        self._grpc: GrpcReceiver = self.receiver("grpc")
+        self.configured = configured
+        on_cuda = pool.tensor.device.type == "cuda"
+        self.offered = offered_engines(configured, on_cuda)
+        if not self.offered:
+            raise ValueError(f"--kv-transfer {configured}: not usable on this worker"
+                                 + (" (its KV pool is not on a GPU)" if configured == "cuda_ipc"
+                                    else " (NIXL is not installed: pip install 'pdserve[nixl]')"))
+        self.receivers: dict[str, Receiver] = {}
         self._on_bytes = on_bytes or (lambda n: None)
+        self._grpc: GrpcReceiver = self.receiver("grpc")  # type: ignore[assignment]
 
-    def receiver(self, engine: str) -> object:
+    def receiver(self, engine: str) -> Receiver:
         """The receiving side of ``engine``, created on first use (its library loaded then)."""
         if engine not in self.receivers:
-            if engine not in RECEIVERS:
-                raise LayoutMismatch(f"unknown transfer engine {engine!r} "
-                                     f"(known: {', '.join(RECEIVERS)})")
             try:
                 self.receivers[engine] = create_receiver(engine, self.pool, self.sink)
             except ImportError as err:
                 raise LayoutMismatch(f"transfer engine {engine!r}: {err}") from err
-            if engine != "grpc":
-                self.on_one_sided()
         return self.receivers[engine]
+
+    def choose(self, request: kv_transfer_pb2.HandshakeRequest) -> tuple[str, str]:
+        candidates = [e for e in self.offered if e in request.engines]
+        if not candidates:
+            raise LayoutMismatch(f"this decode worker receives KV with {', '.join(self.offered)} "
+                                 f"(--kv-transfer {self.configured}); the sender can only use "
+                                 f"{', '.join(request.engines) or 'nothing'}")
+        our_gpu = gpu_uuid(self.pool.tensor.device)
+        engine, reason = choose_engine(candidates, request.host == host_identity(),
+                                       bool(our_gpu) and our_gpu in request.visible_gpu_uuids,
+                                       our_gpu == request.gpu_uuid)
+        if self.configured != "auto":
+            reason = "--kv-transfer of the decode worker"
+        return engine, reason
 
     @map_errors
     async def Handshake(self, request: kv_transfer_pb2.HandshakeRequest,
@@ -49,15 +83,11 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
         diff = self.pool.layout.mismatch(layout_from_proto(request.layout))
         if diff:
             raise LayoutMismatch(f"KV layout mismatch ({diff})")
-        on_cuda = self.pool.tensor.device.type == "cuda"
-        about_us = dict(engines=offered_engines(on_cuda), host=host_identity(), on_cuda=on_cuda,
-                        gpu_uuid=gpu_uuid(self.pool.tensor.device))
-        if request.engine == "auto":
-            return kv_transfer_pb2.HandshakeResponse(**about_us)
-        log.info("prefill %s writes KV with the %r engine (%s)", context.peer(), request.engine,
-                 request.reason or "asked for")
-        receiver = self.receiver(request.engine)
-        return kv_transfer_pb2.HandshakeResponse(engine_metadata=receiver.metadata(), **about_us)
+        engine, reason = self.choose(request)
+        log.info("prefill %s writes KV with the %r engine (%s)", context.peer(), engine, reason)
+        return kv_transfer_pb2.HandshakeResponse(
+            engine=engine, reason=reason, engine_metadata=self.receiver(engine).metadata(),
+            host=host_identity(), gpu_uuid=gpu_uuid(self.pool.tensor.device))
 
     @map_errors
     async def WritePages(self, request_iterator, context: grpc.aio.ServicerContext  # noqa: ANN001
@@ -71,12 +101,17 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
     @map_errors
     async def Commit(self, request: kv_transfer_pb2.CommitRequest,
                      context: grpc.aio.ServicerContext) -> kv_transfer_pb2.CommitResponse:
-        self.sink.commit(request.request_id, request.num_tokens,
-                         landed=not request.writes_pending)
+        self.sink.on_commit(request.request_id, request.num_tokens, request.writes_pending)
         return kv_transfer_pb2.CommitResponse()
+
+    @map_errors
+    async def Landed(self, request: kv_transfer_pb2.LandedRequest,
+                     context: grpc.aio.ServicerContext) -> kv_transfer_pb2.LandedResponse:
+        self.sink.on_writes_landed(request.request_id)
+        return kv_transfer_pb2.LandedResponse()
 
     @map_errors
     async def Abandon(self, request: kv_transfer_pb2.AbandonRequest,
                       context: grpc.aio.ServicerContext) -> kv_transfer_pb2.AbandonResponse:
-        self.sink.abandon(request.request_id)
+        self.sink.on_writes_abandoned(request.request_id)
         return kv_transfer_pb2.AbandonResponse()

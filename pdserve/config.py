@@ -1,69 +1,128 @@
-"""Typed configuration per role, built from the command line in cli.py and passed down."""
+"""Typed configuration per role: every setting declared once, here, with its default and help.
+
+The command line (pdserve/settings.py derives each role's flags from these fields), `pdserve
+up`'s forwarding to its children and the Helm chart's list of flags all come from them.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+
+def setting(default: Any, help: str, **argparse_options: Any) -> Any:
+    """A config field with its flag's help (``choices``, ``metavar`` and the like pass on to
+    argparse). A list default is copied per instance."""
+    metadata = {"help": help, **argparse_options}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
 class EngineConfig:
     """What a worker needs to hold a model and a KV pool."""
 
-    model: str = "tiny"
-    dtype: str = "auto"                 # auto = the checkpoint's dtype
-    device: str = "auto"                # auto = cuda if available, else cpu
-    seed: int = 0                       # weights of presets
-    page_size: int = 16
-    num_pages: int = 0                  # 0 = as many as kv_cache_gb holds
-    kv_cache_gb: float = 1.0
-    attention_backend: str = "auto"
-    torch_threads: int = 0              # 0 = torch's default
-    cuda_graph: bool = True             # decode on CUDA: replay captured graphs
-    cuda_graph_max_bs: int = 256
+    model: str = setting("tiny", "Hugging Face model folder or preset name (tiny, qwen3-0.6b, "
+                         "qwen3-8b, llama3-8b)")
+    dtype: str = setting("auto", "weights and KV dtype (auto: the checkpoint's)",
+                         choices=("auto", "float32", "bfloat16", "float16"))
+    device: str = setting("auto", "auto (cuda if available, else cpu), cpu, cuda, cuda:N")
+    seed: int = setting(0, "seed of a preset's random weights")
+    page_size: int = setting(16, "tokens per KV page (prefill and decode must agree)")
+    num_pages: int = setting(0, "KV pages in the pool (0: as many as --kv-cache-gb holds)")
+    kv_cache_gb: float = setting(1.0, "KV pool size in GiB when --num-pages is 0")
+    attention_backend: str = setting("auto", "auto, or a registered backend (torch, fa, fi)")
+    torch_threads: int = setting(0, "CPU threads for torch (0: torch's default)")
+    disable_cuda_graph: bool = setting(False, "decode eagerly instead of replaying CUDA graphs")
+    cuda_graph_max_bs: int = setting(256, "largest decode batch captured in a CUDA graph")
+    fused_rope_kv: bool = setting(True, "inside CUDA graphs, RoPE and the K/V store as one "
+                                  "Triton kernel")
+    triton_gemv: bool = setting(True, "inside CUDA graphs, batch-1 linear layers as a Triton "
+                                "GEMV (else cuBLAS)")
 
 
 @dataclass
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 0                       # 0 = any free port
-    metrics_port: int = -1              # -1 = no metrics server, 0 = any free port
-    advertise_host: str = ""            # host others reach us at; default: host
-    worker_id: str = ""
-    tls_cert_file: str = ""             # with tls_key_file: serve gRPC over TLS
-    tls_key_file: str = ""
-    health_port: int = -1               # a plaintext grpc.health.v1-only port (for probes); -1 none
-    shutdown_grace_s: float = 5.0       # on SIGTERM, how long in-flight calls may take to finish
+    """Where and how one process serves."""
+
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(0, "gRPC port (0: any free port)")
+    metrics_port: int = setting(-1, "Prometheus exporter port (0: any free port, -1: none)")
+    advertise_host: str = setting("", "host other processes reach this one at (default: --host)")
+    worker_id: str = setting("", "name in logs and metrics labels (default: role-host-port)")
+    tls_cert_file: str = setting("", "serve gRPC over TLS with this certificate (PEM)")
+    tls_key_file: str = setting("", "the certificate's key (PEM)")
+    health_port: int = setting(-1, "also serve grpc.health.v1 alone, in plaintext, on this "
+                               "port (for probes that cannot speak TLS; -1: no)")
+    shutdown_grace_s: float = setting(5.0, "on SIGTERM, how long in-flight calls may take")
+    log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR",
+                             choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
 
 @dataclass
 class PrefillConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
-    chunk_size: int = 2048              # most prompt tokens computed in one step (all requests)
-    max_queued_requests: int = 1024
-    transfer_timeout_s: float = 30.0
-    layerwise_transfer: bool = True     # one-sided engines send each layer as it is computed
+    chunk_size: int = setting(2048, "most prompt tokens per prefill step, across requests; "
+                              "longer prompts are chunked")
+    max_queued_requests: int = setting(1024, "prompts waiting for pages before "
+                                       "RESOURCE_EXHAUSTED")
+    transfer_timeout_s: float = setting(30.0, "longest a KV hand-off (or a handshake) may take")
+    layerwise_transfer: bool = setting(True, "with cuda_ipc/nixl, send each layer's KV as it is "
+                                       "computed (else after the prompt's last step)")
 
 
 @dataclass
 class DecodeConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
-    max_running_requests: int = 256
-    max_queued_reservations: int = 1024
-    reserve_wait_s: float = 10.0        # how long Reserve waits for free pages
-    lease_timeout_s: float = 30.0       # reservation not committed + decoding by then: freed
-    kv_transfer_port: int = -1          # KVTransferService on its own port (-1: the main port)
-    kv_transfer: str = "auto"           # the engine prefill writes our pages with; auto: its pick
+    max_running_requests: int = setting(256, "largest decode batch")
+    max_queued_reservations: int = setting(1024, "reservations waiting for pages before "
+                                           "RESOURCE_EXHAUSTED")
+    reserve_wait_s: float = setting(10.0, "how long a reservation waits for free KV pages "
+                                    "before RESOURCE_EXHAUSTED")
+    lease_timeout_s: float = setting(30.0, "a reservation not decoding by then is freed")
+    kv_transfer_port: int = setting(-1, "serve KV transfers on their own port (-1: the main "
+                                    "gRPC port)")
+    kv_transfer: str = setting("auto", "engine prefill writes this worker's KV with: grpc "
+                               "(host-staged, anywhere), nixl (NIXL/UCX straight into the pool), "
+                               "cuda_ipc (same host, GPU to GPU) or auto (the best both sides "
+                               "can use)")
 
 
 @dataclass
 class RouterConfig:
-    server: ServerConfig = field(default_factory=ServerConfig)
-    model: str = "tiny"
-    # Each entry: host:port, or dns:NAME:PORT (every address NAME resolves to, re-resolved).
-    prefill_addrs: list[str] = field(default_factory=list)
-    decode_addrs: list[str] = field(default_factory=list)
-    health_interval_s: float = 1.0
-    discovery_interval_s: float = 5.0
-    default_max_new_tokens: int = 16
-    max_stop_strings: int = 16
+    server: ServerConfig = field(default_factory=lambda: ServerConfig(port=50051))
+    model: str = setting("tiny", "model folder or preset (its tokenizer and config; the router "
+                         "loads no weights)")
+    prefill_addrs: list[str] = setting([], "static prefill workers: host:port,...",
+                                       metavar="ADDRS")
+    decode_addrs: list[str] = setting([], "static decode workers: host:port,...",
+                                      metavar="ADDRS")
+    prefill_discovery: list[str] = setting([], "dns:NAME:PORT,...: every address NAME resolves "
+                                           "to (a headless Service), re-resolved", metavar="SRCS")
+    decode_discovery: list[str] = setting([], "as --prefill-discovery, for decode workers",
+                                          metavar="SRCS")
+    health_interval_s: float = setting(1.0, "how often each worker is health-checked")
+    discovery_interval_s: float = setting(5.0, "how often dns: sources are re-resolved")
+    default_max_new_tokens: int = setting(16, "tokens generated when a request does not say")
+    max_stop_strings: int = setting(16, "most stop strings a request may carry")
+
+
+@dataclass
+class LauncherConfig:
+    """`pdserve up`: a router and its workers on this host (workers take the flags of
+    EngineConfig, PrefillConfig and DecodeConfig; the router those of RouterConfig)."""
+
+    host: str = setting("127.0.0.1", "address every process listens on")
+    port: int = setting(50051, "the router's public gRPC port")
+    prefill: int = setting(1, "prefill workers")
+    decode: int = setting(1, "decode workers")
+    no_metrics: bool = setting(False, "start no metrics exporters")
+    ready_timeout_s: float = setting(600.0, "how long the cluster may take to become ready")
+    log_level: str = setting("INFO", "log level of every process",
+                             choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    prefill_devices: list[str] = setting([], "cuda:0,cuda:1,...: devices of the prefill "
+                                         "workers, in turn (default: --device)", metavar="DEVS")
+    decode_devices: list[str] = setting([], "as --prefill-devices, for the decode workers",
+                                        metavar="DEVS")

@@ -2,12 +2,14 @@
 
 Children are started with free ports, awaited until grpc.health.v1 says SERVING, and stopped
 together: on SIGINT/SIGTERM, when any child dies, or (through PR_SET_PDEATHSIG) when this
-process dies without cleaning up.
+process dies without cleaning up. Each child gets the settings of its role's config that differ
+from the defaults, as flags.
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import signal
 import socket
 import subprocess
@@ -18,9 +20,45 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdserve.cli import DECODE_FLAGS, ENGINE_FLAGS, PREFILL_FLAGS, ROUTER_FLAGS, forward_flags
+from pdserve.config import DecodeConfig, EngineConfig, LauncherConfig, PrefillConfig, RouterConfig
+from pdserve.settings import from_args, to_argv
 
 STOP_GRACE_S = 10.0
+# Router settings `up` sets itself.
+ROUTER_SET_BY_LAUNCHER = ("model", "prefill_addrs", "decode_addrs", "prefill_discovery",
+                          "decode_discovery")
+
+
+@dataclass
+class ClusterPlan:
+    """What `pdserve up` starts: its own settings and those of each kind of child."""
+
+    launcher: LauncherConfig
+    engine: EngineConfig
+    prefill: PrefillConfig
+    decode: DecodeConfig
+    router: RouterConfig
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ClusterPlan:
+        engine = from_args(EngineConfig, args)
+        return cls(from_args(LauncherConfig, args), engine,
+                   from_args(PrefillConfig, args, engine=engine),
+                   from_args(DecodeConfig, args, engine=engine),
+                   from_args(RouterConfig, args))
+
+    def worker_argv(self, role: str, index: int) -> list[str]:
+        config = self.prefill if role == "prefill" else self.decode
+        devices = getattr(self.launcher, f"{role}_devices")
+        engine = self.engine
+        if devices:
+            engine = dataclasses.replace(engine, device=devices[index % len(devices)])
+        return to_argv(engine) + to_argv(config)
+
+    def router_argv(self, prefill_addrs: list[str], decode_addrs: list[str]) -> list[str]:
+        return to_argv(self.router, skip=ROUTER_SET_BY_LAUNCHER) + [
+            "--model", self.engine.model, "--prefill-addrs", ",".join(prefill_addrs),
+            "--decode-addrs", ",".join(decode_addrs)]
 
 
 @dataclass
@@ -86,7 +124,7 @@ def _stop_all(children: list[Child]) -> None:
             child.process.wait()
 
 
-def run_cluster(args: argparse.Namespace) -> int:
+def run_cluster(plan: ClusterPlan) -> int:
     stopping = [False]
 
     def on_signal(signum: int, frame: object) -> None:
@@ -94,38 +132,30 @@ def run_cluster(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    host, metrics = args.host, not args.no_metrics
+    launcher = plan.launcher
+    host, metrics = launcher.host, not launcher.no_metrics
     children: list[Child] = []
     code = 0
     try:
-        deadline = time.monotonic() + args.ready_timeout_s
+        deadline = time.monotonic() + launcher.ready_timeout_s
         workers = []
-        for role, count, flags in (("prefill", args.prefill, PREFILL_FLAGS),
-                                   ("decode", args.decode, DECODE_FLAGS)):
-            devices = getattr(args, f"{role}_devices")
+        for role, count in (("prefill", launcher.prefill), ("decode", launcher.decode)):
             for i in range(count):
-                extra = forward_flags(args, ENGINE_FLAGS + flags)
-                if devices:  # later flags win
-                    extra += ["--device", devices[i % len(devices)]]
-                if args.disable_cuda_graph:
-                    extra.append("--disable-cuda-graph")
-                if role == "prefill" and not args.layerwise_transfer:
-                    extra.append("--no-layerwise-transfer")
-                workers.append(_start(role, host, free_port(host), metrics, extra, args.log_level))
+                workers.append(_start(role, host, free_port(host), metrics,
+                                      plan.worker_argv(role, i), launcher.log_level))
         children.extend(workers)
         for child in workers:
             _wait_serving(child, deadline, stopping)
-        extra = forward_flags(args, ROUTER_FLAGS) + [
-            "--prefill-addrs", ",".join(c.address for c in workers if c.role == "prefill"),
-            "--decode-addrs", ",".join(c.address for c in workers if c.role == "decode")]
-        router = _start("router", host, args.port, metrics, extra, args.log_level)
+        extra = plan.router_argv([c.address for c in workers if c.role == "prefill"],
+                                 [c.address for c in workers if c.role == "decode"])
+        router = _start("router", host, launcher.port, metrics, extra, launcher.log_level)
         children.append(router)
         _wait_serving(router, deadline, stopping)
         for child in children:
             print(f"{child.role:<8} grpc={child.address}  metrics={child.metrics_url}  "
                   f"pid={child.process.pid}", flush=True)
-        print(f"pdserve ready: router on {router.address} (model {args.model}, "
-              f"{args.prefill} prefill, {args.decode} decode)", flush=True)
+        print(f"pdserve ready: router on {router.address} (model {plan.engine.model}, "
+              f"{launcher.prefill} prefill, {launcher.decode} decode)", flush=True)
         while not stopping[0]:
             dead = next((c for c in children if c.process.poll() is not None), None)
             if dead is not None:

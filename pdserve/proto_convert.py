@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pdserve.engine.sampling import SamplingParams
-from pdserve.kvcache.pool import KVLayout
+from pdserve.kvcache.layout import KVLayout
+from pdserve.sampling_params import SamplingParams
 from protos.pdserve.v1 import worker_pb2
 
 if TYPE_CHECKING:

@@ -7,6 +7,7 @@ import logging
 import grpc
 
 from kv_transfer.base import KVTarget
+from kv_transfer.link import DecodeLinks
 from pdserve.config import PrefillConfig
 from pdserve.engine.runner import ModelRunner
 from pdserve.errors import InvalidRequest, PdserveError
@@ -14,6 +15,7 @@ from pdserve.grpc_util import map_errors
 from pdserve.metrics import PrefillMetrics
 from pdserve.proto_convert import sampling_from_proto, worker_info
 from pdserve.serving import make_server, serve_until_signal, start_metrics, worker_id
+from prefill_service.handoff import Handoff
 from prefill_service.scheduler import PrefillScheduler, PrefillTask
 from protos.pdserve.v1 import prefill_pb2, prefill_pb2_grpc, worker_pb2
 
@@ -30,14 +32,16 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     async def Prefill(self, request: prefill_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:
         prompt = list(request.prompt_token_ids)
-        if not prompt:
-            raise InvalidRequest("empty prompt")
-        if max(prompt) >= self.runner.model_config.vocab_size:
-            raise InvalidRequest("prompt token id outside the vocabulary")
+        target = KVTarget.from_proto(request.kv_target)
         task = PrefillTask(request.request_id, prompt, sampling_from_proto(request.sampling),
-                           KVTarget.from_proto(request.kv_target), request.output_offset)
+                           Handoff(self.scheduler.links, target, len(prompt)),
+                           request.output_offset)
         outcome = "cancelled"
         try:
+            if not prompt:
+                raise InvalidRequest("empty prompt")
+            if max(prompt) >= self.runner.model_config.vocab_size:
+                raise InvalidRequest("prompt token id outside the vocabulary")
             first_token = await self.scheduler.submit(task)
             outcome = "finished"
         except PdserveError as err:
@@ -48,8 +52,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             raise
         finally:
             self.scheduler.metrics.request_done(outcome)
-            if outcome != "finished":
-                self.scheduler.abandon(task)
+            if outcome != "finished":  # the reservation may be fenced for fear of our writes
+                self.scheduler.give_up(task)
         return prefill_pb2.PrefillResponse(first_token_id=first_token)
 
     @map_errors
@@ -57,7 +61,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                             context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
         return worker_info(self.runner, "prefill", self.worker, running=self.scheduler.num_running,
                            queued=self.scheduler.num_waiting, reservations=0,
-                           engines=self.scheduler.engines_in_use)
+                           engines=self.scheduler.links.engines_in_use)
 
 
 async def serve(config: PrefillConfig) -> None:
@@ -65,9 +69,9 @@ async def serve(config: PrefillConfig) -> None:
     server = make_server(config.server)
     worker = worker_id(config.server, "prefill", server.port)
     metrics = PrefillMetrics(worker)
-    scheduler = PrefillScheduler(runner, config.chunk_size, config.max_queued_requests,
-                                 config.transfer_timeout_s, metrics,
-                                 layerwise=config.layerwise_transfer)
+    links = DecodeLinks(runner.pool, config.transfer_timeout_s)
+    scheduler = PrefillScheduler(runner, links, config.chunk_size, config.max_queued_requests,
+                                 metrics, layerwise=config.layerwise_transfer)
     server.add(prefill_pb2_grpc.add_PrefillServiceServicer_to_server,
                PrefillServicer(runner, scheduler, worker),
                [prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name])

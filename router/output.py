@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.sampling_params import finish_reason
 from pdserve.tokenizer import Tokenizer
 from router.validation import GenerationJob
 
@@ -48,23 +49,27 @@ class Chunk:
 
 
 class OutputAssembler:
-    """Applies stop token ids, stop strings and max_new_tokens; holds back text that may be the
-    start of a stop string, so no part of a stop string ever reaches the client."""
+    """Applies the finish rule (stop token ids, max_new_tokens: the workers' own rule) and stop
+    strings; holds back text that may be the start of a stop string, so no part of a stop
+    string ever reaches the client."""
 
     def __init__(self, tokenizer: Tokenizer, job: GenerationJob) -> None:
         self.params = job.params
-        self.stop_ids = frozenset(job.params.stop_token_ids)
+        self.generated: list[int] = []
         self.stop_strings = job.stop_strings
         self.max_stop_chars = max((len(s) for s in self.stop_strings), default=0)
         self.detokenizer = IncrementalDetokenizer(tokenizer, job.prompt_ids)
         self.text = ""                 # everything generated so far, cut at a stop string
         self.released = 0              # how much of self.text the client has
-        self.completion_tokens = 0
         self.finish_reason: str | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.generated)
 
     def add(self, token_ids: list[int]) -> Chunk:
         chunk = Chunk()
@@ -72,13 +77,14 @@ class OutputAssembler:
             if self.finished:
                 break
             chunk.token_ids.append(token)
-            self.completion_tokens += 1
-            if token in self.stop_ids:
-                self.finish_reason = "stop"
-            else:
-                self._append_text(self.detokenizer.push(token))
-            if not self.finished and self.completion_tokens >= self.params.max_new_tokens:
-                self.finish_reason = "length"
+            self.generated.append(token)
+            reason = finish_reason(self.params, self.generated)
+            if reason == "stop":   # a stop token id: reported, never rendered
+                self.finish_reason = reason
+                break
+            self._append_text(self.detokenizer.push(token))
+            if not self.finished:  # (a stop string in the text ends it first)
+                self.finish_reason = reason
         if self.finish_reason == "length":
             self._append_text(self.detokenizer.flush())
         chunk.text = self._release()

@@ -13,14 +13,14 @@ from pdserve.errors import NoHealthyWorker, PdserveError, UpstreamError
 from pdserve.grpc_util import map_errors, time_remaining
 from pdserve.metrics import RouterMetrics
 from pdserve.models.config import ModelConfig
-from pdserve.models.loader import model_config
-from pdserve.proto_convert import sampling_to_proto
+from pdserve.models.presets import model_config
 from pdserve.serving import make_server, serve_until_signal, start_metrics, worker_id
 from pdserve.tokenizer import Tokenizer, load_tokenizer
-from protos.pdserve.v1 import decode_pb2, generate_pb2, generate_pb2_grpc, prefill_pb2
+from protos.pdserve.v1 import generate_pb2, generate_pb2_grpc
 from router.output import Chunk, OutputAssembler
+from router.pair import PairAttempt, upstream
 from router.validation import GenerationJob, validate
-from router.workers import Worker, WorkerPool
+from router.workers import WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +36,13 @@ class DecodeLost(Exception):
     """The decode worker went away mid-stream; the request can resume elsewhere."""
 
 
-def _upstream(err: grpc.aio.AioRpcError, worker: Worker) -> UpstreamError:
-    return UpstreamError(err.code(), f"{worker.role} worker {worker.address}: {err.details()}")
+class RetryElsewhere(Exception):
+    """A failure before the first token that another worker pair may not have."""
+
+    def __init__(self, error: UpstreamError, decode_address: str) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.decode_address = decode_address    # '' when the decode worker was not at fault
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
@@ -133,52 +138,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
 
     async def _relay(self, job: GenerationJob, output: OutputAssembler,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[Chunk]:
-        """One worker pair's part: reserve, prefill, then relay decode's stream into ``output``.
+        """One worker pair's part: reserve, prefill, then relay decode's stream into ``output``,
+        trying other pairs on failures before the first token that another pair may not have.
         Raises DecodeLost if the decode worker goes away mid-stream."""
-        decode_worker, first_token = await self._prefill(job, context)
-        decode_call = None
-        finished_on_decode = False
-        with self.workers.track(decode_worker):
-            try:
-                if not job.output_offset:
-                    self.metrics.prompt_tokens.inc(len(job.prompt_ids))
-                chunk = output.add([first_token])
-                self.metrics.generated_tokens.inc(len(chunk.token_ids))
-                yield chunk
-                if output.finished:
-                    return
-                decode_call = decode_worker.stub.Decode(decode_pb2.DecodeRequest(
-                    request_id=job.worker_request_id, first_token_id=first_token,
-                    sampling=sampling_to_proto(job.params), prompt_token_ids=job.prompt_ids,
-                    output_offset=job.output_offset), timeout=time_remaining(context))
-                try:
-                    async for message in decode_call:
-                        chunk = output.add(list(message.token_ids))
-                        self.metrics.generated_tokens.inc(len(chunk.token_ids))
-                        if message.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
-                            finished_on_decode = True
-                            if not output.finished:  # decode saw a finish we did not: trust it
-                                chunk.finish_reason = output.finish_reason = "length"
-                        yield chunk
-                        if output.finished:
-                            return
-                except grpc.aio.AioRpcError as err:
-                    if err.code() != grpc.StatusCode.UNAVAILABLE:
-                        raise _upstream(err, decode_worker) from err
-                    self.workers.mark_unhealthy(decode_worker, err.details() or "unavailable")
-                    raise DecodeLost(f"decode worker {decode_worker.address} lost: "
-                                     f"{err.details()}") from err
-                raise DecodeLost(f"decode worker {decode_worker.address} ended the stream early")
-            finally:
-                if decode_call is not None:
-                    decode_call.cancel()
-                if not finished_on_decode:   # the prefill replied: its writes have landed
-                    self._release_later(decode_worker, job.worker_request_id, kv_landed=True)
-
-    async def _prefill(self, job: GenerationJob,
-                       context: grpc.aio.ServicerContext) -> tuple[Worker, int]:
-        """Reserves on a decode worker and prefills into it, trying other pairs on failures
-        that another pair may not have. Returns (the decode worker, the first token)."""
         tried: set[str] = set()
         last_error: PdserveError | None = None
         for _ in range(MAX_ATTEMPTS):
@@ -189,51 +151,65 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
                 if last_error is None:
                     raise
                 break  # every worker was tried: the client gets the last worker's answer
-            try:
-                reply = await decode_worker.stub.Reserve(decode_pb2.ReserveRequest(
-                    request_id=job.worker_request_id, prompt_len=len(job.prompt_ids),
-                    max_new_tokens=job.params.max_new_tokens), timeout=time_remaining(context))
-            except grpc.aio.AioRpcError as err:
-                last_error = _upstream(err, decode_worker)
-                if err.code() not in RETRYABLE:
-                    raise last_error from err
-                tried.add(decode_worker.address)
-                continue
-            except asyncio.CancelledError:
-                # The reservation may have been made just before the cancel reached it.
-                self._release_later(decode_worker, job.worker_request_id)
-                raise
-            try:
-                with self.workers.track(prefill_worker):
-                    result = await prefill_worker.stub.Prefill(prefill_pb2.PrefillRequest(
-                        request_id=job.worker_request_id, prompt_token_ids=job.prompt_ids,
-                        sampling=sampling_to_proto(job.params), kv_target=reply.kv_target,
-                        output_offset=job.output_offset), timeout=time_remaining(context))
-                return decode_worker, result.first_token_id
-            except grpc.aio.AioRpcError as err:
-                self._release_later(decode_worker, job.worker_request_id)
-                last_error = _upstream(err, prefill_worker)
-                if err.code() != grpc.StatusCode.UNAVAILABLE:
-                    raise last_error from err
-                self.workers.mark_unhealthy(prefill_worker, err.details() or "unavailable")
-            except BaseException:
-                self._release_later(decode_worker, job.worker_request_id)
-                raise
+            async with PairAttempt(job, decode_worker, prefill_worker, self._cleanup) as pair:
+                try:
+                    first_token = await self._prefill(pair, context)
+                except RetryElsewhere as retry:
+                    last_error = retry.error
+                    tried.add(retry.decode_address)
+                    continue
+                with self.workers.track(decode_worker):
+                    async for chunk in self._decode(pair, first_token, output, context):
+                        yield chunk
+                return
         assert last_error is not None
         raise last_error
 
-    def _release_later(self, worker: Worker, request_id: str, kv_landed: bool = False) -> None:
-        """Frees the request's decode reservation in the background (cancellation-proof).
-        ``kv_landed``: its prefill has replied, so no write into those pages can still land."""
-        async def release() -> None:
-            try:
-                await worker.stub.Release(decode_pb2.ReleaseRequest(
-                    request_id=request_id, kv_landed=kv_landed), timeout=10)
-            except Exception as err:  # noqa: BLE001 - best effort; the lease frees it anyway
-                log.warning("release of %s on %s failed: %s", request_id, worker.address, err)
-        task = asyncio.get_running_loop().create_task(release())
-        self._cleanup.add(task)
-        task.add_done_callback(self._cleanup.discard)
+    async def _prefill(self, pair: PairAttempt, context: grpc.aio.ServicerContext) -> int:
+        """Reserve and prefill on ``pair``; returns the first token. Raises RetryElsewhere for
+        a failure another pair may not have."""
+        try:
+            reserved = await pair.reserve(time_remaining(context))
+        except grpc.aio.AioRpcError as err:
+            if err.code() not in RETRYABLE:
+                raise upstream(err, pair.decode) from err
+            raise RetryElsewhere(upstream(err, pair.decode), pair.decode.address) from err
+        try:
+            with self.workers.track(pair.prefill):
+                return await pair.run_prefill(reserved, time_remaining(context))
+        except grpc.aio.AioRpcError as err:
+            if err.code() != grpc.StatusCode.UNAVAILABLE:
+                raise upstream(err, pair.prefill) from err
+            self.workers.mark_unhealthy(pair.prefill, err.details() or "unavailable")
+            raise RetryElsewhere(upstream(err, pair.prefill), "") from err
+
+    async def _decode(self, pair: PairAttempt, first_token: int, output: OutputAssembler,
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[Chunk]:
+        job = pair.job
+        if not job.output_offset:
+            self.metrics.prompt_tokens.inc(len(job.prompt_ids))
+        chunk = output.add([first_token])
+        self.metrics.generated_tokens.inc(len(chunk.token_ids))
+        yield chunk
+        if output.finished:
+            return
+        try:
+            async for message in pair.stream_decode(first_token, time_remaining(context)):
+                chunk = output.add(list(message.token_ids))
+                self.metrics.generated_tokens.inc(len(chunk.token_ids))
+                if pair.decode_ended_stream and not output.finished:
+                    raise UpstreamError(grpc.StatusCode.INTERNAL, (
+                        f"decode worker {pair.decode.address} finished the request after "
+                        f"{output.completion_tokens} tokens; the router expected more"))
+                yield chunk
+                if output.finished:
+                    return
+        except grpc.aio.AioRpcError as err:
+            if err.code() != grpc.StatusCode.UNAVAILABLE:
+                raise upstream(err, pair.decode) from err
+            self.workers.mark_unhealthy(pair.decode, err.details() or "unavailable")
+            raise DecodeLost(f"decode worker {pair.decode.address} lost: {err.details()}") from err
+        raise DecodeLost(f"decode worker {pair.decode.address} ended the stream early")
 
 
 async def serve(config: RouterConfig) -> None:
@@ -241,7 +217,8 @@ async def serve(config: RouterConfig) -> None:
     tokenizer = load_tokenizer(config.model)
     server = make_server(config.server)
     metrics = RouterMetrics(worker_id(config.server, "router", server.port))
-    workers = WorkerPool({"prefill": config.prefill_addrs, "decode": config.decode_addrs}, model,
+    workers = WorkerPool({"prefill": config.prefill_addrs + config.prefill_discovery,
+                          "decode": config.decode_addrs + config.decode_discovery}, model,
                          config.health_interval_s, metrics, config.discovery_interval_s)
     servicer = GenerationServicer(config, model, tokenizer, workers, metrics)
     server.add(generate_pb2_grpc.add_GenerationServiceServicer_to_server, servicer,

@@ -6,9 +6,9 @@ import os
 import uuid
 from dataclasses import dataclass, replace
 
-from pdserve.engine.sampling import SamplingParams
 from pdserve.errors import InvalidRequest
 from pdserve.models.config import ModelConfig
+from pdserve.sampling_params import SamplingParams
 from pdserve.tokenizer import Tokenizer
 from protos.pdserve.v1 import generate_pb2
 
@@ -19,7 +19,6 @@ MAX_REQUEST_ID_CHARS = 256
 @dataclass(frozen=True)
 class GenerationJob:
     request_id: str            # the client's, or one we assigned
-    worker_request_id: str     # unique per attempt-free job: what workers key their state on
     prompt_ids: list[int]
     params: SamplingParams     # defaults resolved, seed fixed, eos folded into stop ids
     stop_strings: tuple[str, ...]
@@ -29,8 +28,7 @@ class GenerationJob:
     def resumed(self, generated: list[int]) -> GenerationJob:
         """The rest of this job after ``generated``, as a new job for another worker pair:
         the generated tokens join the prompt, and seeded sampling continues where it was."""
-        return replace(self, worker_request_id=f"{self.request_id}/{uuid.uuid4().hex}",
-                       prompt_ids=self.prompt_ids + generated,
+        return replace(self, prompt_ids=self.prompt_ids + generated,
                        params=replace(self.params,
                                       max_new_tokens=self.params.max_new_tokens - len(generated)),
                        output_offset=self.output_offset + len(generated))
@@ -112,6 +110,5 @@ def validate(request: generate_pb2.GenerateRequest, model: ModelConfig, tokenize
         min_p=min_p, repetition_penalty=penalty or 1.0, seed=seed,
         stop_token_ids=tuple(sorted(stop_ids)))
     request_id = request.request_id or uuid.uuid4().hex
-    return GenerationJob(request_id=request_id, worker_request_id=f"{request_id}/{uuid.uuid4().hex}",
-                         prompt_ids=prompt, params=params, stop_strings=tuple(s.stop),
+    return GenerationJob(request_id=request_id, prompt_ids=prompt, params=params, stop_strings=tuple(s.stop),
                          stream=request.stream)

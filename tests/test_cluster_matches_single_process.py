@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 from conftest import generate
 
 from pdserve.engine import local
-from pdserve.engine.sampling import SamplingParams
+from pdserve.sampling_params import SamplingParams
 from protos.pdserve.v1 import generate_pb2
 
 # Below, at and above the prefill chunk (48 tokens), and several chunks long.

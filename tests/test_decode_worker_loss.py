@@ -8,7 +8,7 @@ import grpc
 from conftest import start_roles
 
 from pdserve.engine import local
-from pdserve.engine.sampling import SamplingParams
+from pdserve.sampling_params import SamplingParams
 from protos.pdserve.v1 import decode_pb2_grpc, generate_pb2, worker_pb2
 
 

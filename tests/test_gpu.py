@@ -12,8 +12,8 @@ from pdserve.config import EngineConfig
 from pdserve.engine import local
 from pdserve.engine.batch import ForwardBatch, SeqInput
 from pdserve.engine.runner import ModelRunner
-from pdserve.engine.sampling import SamplingParams
 from pdserve.kvcache.pool import KVLayout, KVPool
+from pdserve.sampling_params import SamplingParams
 from protos.pdserve.v1 import generate_pb2
 
 pytestmark = pytest.mark.gpu
@@ -143,14 +143,10 @@ def test_cuda_graph_decode_step_matches_eager_step(model, rows):
         runner.forward([SeqInput(prompt, 0, pages)])
         seqs.append(SeqInput([rng.randrange(256)], length, pages))
     seqs = seqs[-rows:]
+    assert runner.graph_mode(seqs, None, eager=False)
     graph_logits = runner.forward(seqs).clone()
     graph_kv = runner.pool.tensor.clone()
-    assert runner.last_step_mode == "cuda_graph"
-    graphs, runner.graphs = runner.graphs, None
-    try:
-        eager_logits = runner.forward(seqs)
-    finally:
-        runner.graphs = graphs
+    eager_logits = runner.forward(seqs, eager=True)
     # bf16 through many layers: compare at the scale of the logits, not element by element.
     diff = (graph_logits - eager_logits).abs().max() / eager_logits.abs().max()
     cosine = torch.nn.functional.cosine_similarity(graph_logits, eager_logits, dim=-1)

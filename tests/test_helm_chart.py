@@ -22,10 +22,14 @@ VALUE_SETS = {
     "gpu": {
         "model": {"source": "pvc", "pvc": {"claimName": "models"}, "path": "llama3-8b",
                   "dtype": "bfloat16"},
-        "prefill": {"gpus": 1, "device": "cuda", "nodeSelector": {"gpu": "h100"},
+        "prefill": {"gpus": 1, "settings": {"device": "cuda", "chunk-size": 8192},
+                    "nodeSelector": {"gpu": "h100"},
                     "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
                                      "effect": "NoSchedule"}]},
-        "decode": {"gpus": 2, "device": "cuda", "resources": {"limits": {"memory": "64Gi"}},
+        "decode": {"gpus": 2, "settings": {"device": "cuda", "kv-cache-gb": 40,
+                                           "disable-cuda-graph": True, "fused-rope-kv": False,
+                                           "max-running-requests": 1000000},
+                   "resources": {"limits": {"memory": "64Gi"}},
                    "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
                        {"weight": 1, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
                         "labelSelector": {"matchLabels": {"app.kubernetes.io/component": "decode"}}}}]}},
@@ -80,7 +84,9 @@ def _container(deployment: dict) -> dict:
 
 
 def _args(deployment: dict) -> dict[str, str]:
-    return dict(a.removeprefix("--").split("=", 1) for a in _container(deployment)["args"])
+    """Flags with a value (``--x=V``), by name; switches map to ''."""
+    return dict((a.removeprefix("--").split("=", 1) + [""])[:2]
+                for a in _container(deployment)["args"])
 
 
 def test_lint_passes():
@@ -240,7 +246,37 @@ def test_disruption_budgets_select_their_pods():
         assert pdb["spec"]["selector"]["matchLabels"].items() <= pods.items()
 
 
+def test_settings_become_flags_the_commands_accept():
+    """Each role's settings render as flags, and the role's own parser (derived from the same
+    config dataclasses as the chart's flag list) takes the container's whole command line."""
+    from pdserve.cli import build_parser
+
+    objects, _ = render(VALUE_SETS["gpu"])
+    for role in ALL_ROLES:
+        container = _container(_one(objects, "Deployment", role))
+        args = build_parser().parse_args([role, *container["args"]])
+        assert args.command == role
+    decode = _container(_one(objects, "Deployment", "decode"))["args"]
+    assert {"--kv-cache-gb=40", "--disable-cuda-graph", "--no-fused-rope-kv",
+            "--max-running-requests=1000000", "--kv-transfer=auto"} <= set(decode)
+    assert "--chunk-size=8192" in _container(_one(objects, "Deployment", "prefill"))["args"]
+
+
+def test_chart_flag_list_is_made_from_the_code():
+    from pdserve.cli import CHART_FLAGS, chart_flags
+
+    assert json.loads((ROOT / CHART_FLAGS).read_text()) == chart_flags(), "run `make chart-flags`"
+
+
+def test_kv_transfer_engine_reaches_the_decode_pods():
+    objects, _ = render({"kvTransfer": {"engine": "nixl"}})
+    assert _args(_one(objects, "Deployment", "decode"))["kv-transfer"] == "nixl"
+
+
 @pytest.mark.parametrize("values, message", [
+    ({"prefill": {"settings": {"chunk-sise": 4}}}, "prefill.settings.chunk-sise: `pdserve "
+     "prefill` has no flag --chunk-sise"),
+    ({"decode": {"settings": {"page-size": 32}}}, "decode.settings.page-size: the chart sets"),
     ({"model": {"source": "pvc"}}, "model.pvc.claimName is required"),
     ({"model": {"source": "s3"}}, "model.source must be preset, pvc, hostPath or image"),
     ({"tls": {"enabled": True}}, "tls.secretName is required"),

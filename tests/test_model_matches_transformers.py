@@ -12,7 +12,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine import local
 from pdserve.engine.batch import SeqInput
 from pdserve.engine.runner import ModelRunner
-from pdserve.engine.sampling import SamplingParams
+from pdserve.sampling_params import SamplingParams
 
 COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from conftest import generate
 
-from pdserve.engine.sampling import SamplingParams
+from pdserve.sampling_params import SamplingParams
 from pdserve.tokenizer import ByteTokenizer
 from protos.pdserve.v1 import generate_pb2
 from router.output import IncrementalDetokenizer, OutputAssembler
@@ -13,8 +13,8 @@ TEXT = "héllo wörld — 世界 🙂 ok"
 
 
 def _job(max_new: int = 100, stops: tuple[str, ...] = (), stop_ids: tuple[int, ...] = ()):
-    return GenerationJob("r", "r/1", [1, 2], SamplingParams(max_new_tokens=max_new,
-                                                            stop_token_ids=stop_ids), stops, True)
+    return GenerationJob("r", [1, 2], SamplingParams(max_new_tokens=max_new,
+                                                      stop_token_ids=stop_ids), stops, True)
 
 
 def test_multibyte_characters_come_out_whole():

@@ -13,8 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kv_transfer import choose_engine, nixl_installed
 from pdserve.engine import local
-from pdserve.engine.sampling import SamplingParams
-from protos.pdserve.v1 import (decode_pb2_grpc, generate_pb2, prefill_pb2_grpc, worker_pb2)
+from pdserve.sampling_params import SamplingParams
+from protos.pdserve.v1 import decode_pb2_grpc, generate_pb2, prefill_pb2_grpc, worker_pb2
 
 
 def _info(stub_cls, address: str) -> worker_pb2.WorkerInfo:
@@ -33,15 +33,34 @@ def _wait_free(address: str, expected: int, timeout_s: float = 15) -> int:
 
 def test_auto_prefers_cuda_ipc_then_nixl_then_grpc():
     everything = ["cuda_ipc", "nixl", "grpc"]
+    # (candidates both sides can use, same host, decode GPU visible to the sender, same GPU)
     assert choose_engine(everything, True, True, True)[0] == "cuda_ipc"
-    assert choose_engine(everything, False, True, True)[0] == ("nixl" if nixl_installed() else "grpc")
-    assert choose_engine(everything, True, False, True)[0] == ("nixl" if nixl_installed() else "grpc")
+    assert choose_engine(everything, False, True, True)[0] == "nixl"
+    assert choose_engine(everything, True, False, True)[0] == "nixl"
+    assert choose_engine(["cuda_ipc", "grpc"], False, False, False)[0] == "grpc"
     assert choose_engine(["grpc"], True, True, True)[0] == "grpc"
-    # Two GPUs of one host: cuda_ipc with peer copies when this process sees the other GPU.
-    assert choose_engine(everything, True, True, True, same_gpu=False) == (
+    # Two GPUs of one host: cuda_ipc with peer copies when the sender sees the other GPU.
+    assert choose_engine(everything, True, True, False) == (
         "cuda_ipc", "same host, pools on two GPUs (peer copies)")
-    assert choose_engine(everything, True, True, True, same_gpu=False,
-                         remote_gpu_visible=False)[0] == ("nixl" if nixl_installed() else "grpc")
+
+
+def test_decode_offers_what_it_is_configured_with_and_can_use():
+    from kv_transfer.service import offered_engines
+
+    assert offered_engines("grpc", pool_on_cuda=True) == ["grpc"]
+    assert offered_engines("auto", pool_on_cuda=False) == (["nixl"] if nixl_installed() else []) + ["grpc"]
+    assert offered_engines("cuda_ipc", pool_on_cuda=False) == []
+    with pytest.raises(ValueError, match="choose one of auto"):
+        offered_engines("carrier-pigeon", pool_on_cuda=False)
+
+
+def test_registry_entries_say_which_engines_write_one_sidedly():
+    from kv_transfer import ENGINES, _load
+    from kv_transfer.base import LayerwiseSender, Receiver
+
+    for name, engine in ENGINES.items():
+        assert issubclass(_load(engine.sender), LayerwiseSender) == engine.one_sided, name
+        assert issubclass(_load(engine.receiver), Receiver), name
 
 
 AUTO = "cuda_ipc" if torch.cuda.is_available() else ("nixl" if nixl_installed() else "grpc")

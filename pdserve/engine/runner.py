@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -24,6 +25,12 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+@dataclass
+class StepResult:
+    tokens: list[int]       # one sampled token per sequence
+    mode: str               # "cuda_graph" (replayed a captured graph) or "eager"
+
+
 class ModelRunner:
     """Owns the model, the KV pool and the attention backend of one worker."""
 
@@ -31,7 +38,8 @@ class ModelRunner:
         if config.torch_threads > 0:
             torch.set_num_threads(config.torch_threads)
         self.device = resolve_device(config.device)
-        self.model = load_model(config.model, config.dtype, self.device, config.seed)
+        self.model = load_model(config.model, config.dtype, self.device, config.seed,
+                                fused_rope_kv=config.fused_rope_kv, triton_gemv=config.triton_gemv)
         self.model_config = self.model.config
         dtype = next(self.model.parameters()).dtype
         self.layout = KVLayout(
@@ -49,8 +57,7 @@ class ModelRunner:
                  self.device, self.backend_name, reason, self.model.ops.name, num_pages,
                  config.page_size)
         self.graphs: CudaGraphRunner | None = None
-        self.last_step_mode = "eager"
-        if (role == "decode" and self.device.type == "cuda" and config.cuda_graph
+        if (role == "decode" and self.device.type == "cuda" and not config.disable_cuda_graph
                 and self._backend_supports_graphs()):
             self.graphs = CudaGraphRunner(self.model, self.attn, self.pool,
                                           config.cuda_graph_max_bs, self.model_config.max_model_len)
@@ -68,15 +75,19 @@ class ModelRunner:
                           * cfg.head_dim * torch.empty((), dtype=dtype).element_size())
         return max(2, int(kv_cache_gb * (1 << 30)) // bytes_per_page)
 
+    def graph_mode(self, seqs: list[SeqInput], on_layer: Callable[[int], None] | None,
+                   eager: bool) -> bool:
+        return (not eager and on_layer is None and self.graphs is not None
+                and self.graphs.can_run(seqs))
+
     @torch.inference_mode()
-    def forward(self, seqs: list[SeqInput],
-                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+    def forward(self, seqs: list[SeqInput], on_layer: Callable[[int], None] | None = None,
+                eager: bool = False) -> torch.Tensor:
         """Runs one step; returns float32 logits of each sequence's last new token.
-        ``on_layer(l)`` is called once layer l's K/V are in the pool (eager steps only)."""
-        if on_layer is None and self.graphs is not None and self.graphs.can_run(seqs):
-            self.last_step_mode = "cuda_graph"
-            return self.graphs.replay(seqs)
-        self.last_step_mode = "eager"
+        ``on_layer(l)`` is called once layer l's K/V are in the pool (eager steps only);
+        ``eager`` runs the step without CUDA graphs even where one could replay."""
+        if self.graph_mode(seqs, on_layer, eager):
+            return self.graphs.replay(seqs)  # type: ignore[union-attr]
         batch = ForwardBatch.build(seqs, self.pool.page_size, self.device)
         batch.on_layer = on_layer
         self.attn.prepare_metadata(batch)
@@ -84,7 +95,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def step(self, seqs: list[SeqInput], rows: list[SampleRow],
-             on_layer: Callable[[int], None] | None = None) -> list[int]:
+             on_layer: Callable[[int], None] | None = None, eager: bool = False) -> StepResult:
         """Runs one step and samples one token per sequence."""
-        tokens = sample(self.forward(seqs, on_layer), rows)
-        return tokens.tolist()  # the step's one host sync: only the chosen ids cross
+        mode = "cuda_graph" if self.graph_mode(seqs, on_layer, eager) else "eager"
+        tokens = sample(self.forward(seqs, on_layer, eager), rows)
+        return StepResult(tokens.tolist(), mode)  # the step's one host sync: the chosen ids

@@ -6,36 +6,13 @@ shares the batch, and a token sampled on a prefill worker is the one a single pr
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
+from pdserve.sampling_params import SampleRow, SamplingParams
+
+__all__ = ["SampleRow", "SamplingParams", "counter_uniform", "sample"]
+
 _MASK32 = 0xFFFFFFFF
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int = 0
-    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
-
-
-@dataclass
-class SampleRow:
-    """What the sampler needs of one sequence this step."""
-
-    params: SamplingParams
-    output_index: int                  # how many tokens the request has generated so far
-    history: list[int] | None = None   # prompt + generated ids, for the repetition penalty
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:

@@ -1,32 +1,15 @@
 """The paged KV pool: one tensor per process and the allocator of its pages."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from pdserve.errors import Overloaded
+from pdserve.kvcache.layout import KVLayout
+
+__all__ = ["NULL_PAGE", "KVLayout", "KVPool", "PageAllocator"]
 
 NULL_PAGE = 0
 """Page 0 is never handed out: padding rows of page tables point at it."""
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """What both ends of a KV transfer must agree on."""
-
-    model: str
-    dtype: str
-    page_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-
-    def mismatch(self, other: KVLayout) -> str | None:
-        """A readable description of how ``other`` differs from us, or None if it matches."""
-        diffs = [f"{field}: ours {getattr(self, field)!r}, theirs {getattr(other, field)!r}"
-                 for field in self.__dataclass_fields__ if getattr(self, field) != getattr(other, field)]
-        return "; ".join(diffs) or None
 
 
 class KVPool:

@@ -121,14 +121,17 @@ class CausalLM(nn.Module):
         self.cos_sin: torch.Tensor | None = None
         self.ops: TorchOps = TorchOps()
         self.fuse_rope_kv = False
+        self.use_gemv = False
 
-    def prepare(self, device: torch.device, ops: TorchOps) -> None:
+    def prepare(self, device: torch.device, ops: TorchOps, fused_rope_kv: bool = True,
+                triton_gemv: bool = True) -> None:
         """Builds the RoPE table on ``device`` and picks the elementwise kernels."""
         cfg = self.config
         self.cos_sin = rope_cos_sin(cfg.head_dim, cfg.max_model_len, cfg.rope_theta,
                                     cfg.rope_scaling, device)
         self.ops = ops
-        self.fuse_rope_kv = ops.fuses_rope_kv(cfg.head_dim)
+        self.fuse_rope_kv = fused_rope_kv and ops.fuses_rope_kv(cfg.head_dim)
+        self.use_gemv = triton_gemv and ops.has_gemv
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Float32 logits [batch, vocab]."""
@@ -137,7 +140,7 @@ class CausalLM(nn.Module):
         # launched eagerly their Python launcher costs more than they save.
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         ctx = ForwardContext(batch, attn, self.ops, self.cos_sin, self.fuse_rope_kv and capturing,
-                             capturing and self.ops.has_gemv and batch.input_ids.shape[0] == 1)
+                             capturing and self.use_gemv and batch.input_ids.shape[0] == 1)
         x = self.embed_tokens(batch.input_ids)
         residual = None
         for i, layer in enumerate(self.layers):

@@ -7,23 +7,14 @@ from pathlib import Path
 
 import torch
 
-from pdserve.models.config import ModelConfig, load_hf_config
+from pdserve.models.config import ModelConfig
 from pdserve.models.llama import CausalLM
 from pdserve.models.ops import TorchOps, select_ops
-from pdserve.models.presets import PRESETS
+from pdserve.models.presets import model_config
+
+__all__ = ["DTYPES", "load_model", "model_config", "resolve_dtype"]
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def model_config(model: str) -> ModelConfig:
-    """The config of a model folder or preset, without loading weights."""
-    path = Path(model)
-    if path.is_dir():
-        return load_hf_config(path)
-    if model in PRESETS:
-        return PRESETS[model]
-    raise ValueError(f"--model {model!r} is neither a folder nor a preset "
-                     f"(presets: {', '.join(PRESETS)})")
 
 
 def resolve_dtype(requested: str, config: ModelConfig) -> torch.dtype:
@@ -34,7 +25,8 @@ def resolve_dtype(requested: str, config: ModelConfig) -> torch.dtype:
 
 
 def load_model(model: str, dtype: str, device: torch.device, seed: int = 0,
-               kernels: bool = True) -> CausalLM:
+               kernels: bool = True, fused_rope_kv: bool = True,
+               triton_gemv: bool = True) -> CausalLM:
     """The model in ``dtype`` ("auto": the checkpoint's) on ``device``, ready for inference;
     with ``kernels``, its elementwise ops run as CUDA kernels where the device allows."""
     config = model_config(model)
@@ -46,7 +38,8 @@ def load_model(model: str, dtype: str, device: torch.device, seed: int = 0,
         _load_safetensors(net, Path(model))
     else:
         _init_random(net, seed)
-    net.prepare(device, select_ops(device, torch_dtype) if kernels else TorchOps())
+    net.prepare(device, select_ops(device, torch_dtype) if kernels else TorchOps(),
+                fused_rope_kv=fused_rope_kv, triton_gemv=triton_gemv)
     return net.eval().requires_grad_(False)
 
 

@@ -1,7 +1,9 @@
 """Named model shapes with random weights: `tiny` for the CPU and tests, real shapes for benchmarks."""
 from __future__ import annotations
 
-from pdserve.models.config import ModelConfig, RopeScaling
+from pathlib import Path
+
+from pdserve.models.config import ModelConfig, RopeScaling, load_hf_config
 from pdserve.tokenizer import ByteTokenizer
 
 _LLAMA3_ROPE = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -37,3 +39,14 @@ PRESETS: dict[str, ModelConfig] = {
         max_model_len=131072, rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE,
         dtype="bfloat16", bos_token_id=128000, eos_token_ids=(128001, 128008, 128009)),
 }
+
+
+def model_config(model: str) -> ModelConfig:
+    """The config of a model folder or preset, without loading weights."""
+    path = Path(model)
+    if path.is_dir():
+        return load_hf_config(path)
+    if model in PRESETS:
+        return PRESETS[model]
+    raise ValueError(f"--model {model!r} is neither a folder nor a preset "
+                     f"(presets: {', '.join(PRESETS)})")

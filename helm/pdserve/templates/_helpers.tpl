@@ -78,15 +78,45 @@ app.kubernetes.io/component: {{ .role }}
 {{- end -}}
 {{- end -}}
 
-{{/* Flags every worker takes: the model and its KV cache. */}}
+{{/* Flags every worker takes from model: (prefill and decode must agree on them). */}}
 {{- define "pdserve.engineArgs" -}}
-{{- $values := index .root.Values .role -}}
 - --model={{ include "pdserve.model" .root }}
 - --dtype={{ .root.Values.model.dtype }}
 - --page-size={{ .root.Values.model.pageSize }}
-- --device={{ $values.device }}
-- --attention-backend={{ $values.attentionBackend }}
-- --kv-cache-gb={{ $values.kvCacheGb }}
+{{- end -}}
+
+{{/* A role's `settings` (flag name: value) as flags. Names are checked against the role's
+command: files/flags.json lists each role's flags, made from the code's config dataclasses
+(`make chart-flags`). Flags the chart sets from other values are refused here. */}}
+{{- define "pdserve.settingsArgs" -}}
+{{- $role := .role -}}
+{{- $flags := index (.root.Files.Get "files/flags.json" | fromJson) $role -}}
+{{- $common := list "host" "port" "metrics-port" "worker-id" "log-level" "shutdown-grace-s" -}}
+{{- $managed := dict "router" (concat $common (list "model" "prefill-discovery" "decode-discovery" "tls-cert-file" "tls-key-file" "health-port"))
+                     "prefill" (concat $common (list "model" "dtype" "page-size"))
+                     "decode" (concat $common (list "model" "dtype" "page-size" "kv-transfer" "kv-transfer-port" "advertise-host")) -}}
+{{- range $name, $value := (index .root.Values $role).settings }}
+{{- $kind := get $flags $name }}
+{{- if not $kind }}
+{{- fail (printf "%s.settings.%s: `pdserve %s` has no flag --%s (see `pdserve %s --help`)" $role $name $role $name $role) }}
+{{- end }}
+{{- if has $name (get $managed $role) }}
+{{- fail (printf "%s.settings.%s: the chart sets --%s itself (from model, kvTransfer, tls, metrics or the ports)" $role $name $name) }}
+{{- end }}
+{{- if eq $kind "value" }}
+{{- if kindIs "slice" $value }}
+- --{{ $name }}={{ join "," $value }}
+{{- else if and (kindIs "float64" $value) (eq (float64 (int64 $value)) $value) }}
+- --{{ $name }}={{ int64 $value }}
+{{- else }}
+- --{{ $name }}={{ $value }}
+{{- end }}
+{{- else if $value }}
+- --{{ $name }}
+{{- else if eq $kind "toggle" }}
+- --no-{{ $name }}
+{{- end }}
+{{- end }}
 {{- end -}}
 
 {{/* A role's Deployment. Takes root, role, args (a YAML list), ports (a YAML list of container

@@ -47,12 +47,10 @@ class DecodeResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("request_id", "kv_landed")
+    __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    KV_LANDED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    kv_landed: bool
-    def __init__(self, request_id: _Optional[str] = ..., kv_landed: _Optional[bool] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released",)

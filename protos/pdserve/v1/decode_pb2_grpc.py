@@ -70,7 +70,8 @@ class DecodeServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Decode(self, request, context):
-        """Generates from a committed reservation; the stream ends with a finish reason.
+        """Generates from a reservation whose KV has landed (waiting for a sender's
+        Landed after a pending commit); the stream ends with a finish reason.
         Cancelling it frees the request's pages.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -8,30 +8,32 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("layout", "engine", "host", "reason")
+    __slots__ = ("layout", "host", "engines", "gpu_uuid", "visible_gpu_uuids")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
-    ENGINE_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
-    REASON_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    VISIBLE_GPU_UUIDS_FIELD_NUMBER: _ClassVar[int]
     layout: _worker_pb2.KVLayout
-    engine: str
     host: str
-    reason: str
-    def __init__(self, layout: _Optional[_Union[_worker_pb2.KVLayout, _Mapping]] = ..., engine: _Optional[str] = ..., host: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    engines: _containers.RepeatedScalarFieldContainer[str]
+    gpu_uuid: str
+    visible_gpu_uuids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, layout: _Optional[_Union[_worker_pb2.KVLayout, _Mapping]] = ..., host: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ..., gpu_uuid: _Optional[str] = ..., visible_gpu_uuids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("engine_metadata", "engines", "host", "on_cuda", "gpu_uuid")
+    __slots__ = ("engine", "reason", "engine_metadata", "host", "gpu_uuid")
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     ENGINE_METADATA_FIELD_NUMBER: _ClassVar[int]
-    ENGINES_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
-    ON_CUDA_FIELD_NUMBER: _ClassVar[int]
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    engine: str
+    reason: str
     engine_metadata: bytes
-    engines: _containers.RepeatedScalarFieldContainer[str]
     host: str
-    on_cuda: bool
     gpu_uuid: str
-    def __init__(self, engine_metadata: _Optional[bytes] = ..., engines: _Optional[_Iterable[str]] = ..., host: _Optional[str] = ..., on_cuda: _Optional[bool] = ..., gpu_uuid: _Optional[str] = ...) -> None: ...
+    def __init__(self, engine: _Optional[str] = ..., reason: _Optional[str] = ..., engine_metadata: _Optional[bytes] = ..., host: _Optional[str] = ..., gpu_uuid: _Optional[str] = ...) -> None: ...
 
 class PageChunk(_message.Message):
     __slots__ = ("request_id", "page_ids", "data")
@@ -60,6 +62,16 @@ class CommitRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., writes_pending: _Optional[bool] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LandedRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class LandedResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 

@@ -50,6 +50,11 @@ class KVTransferServiceStub:
                 request_serializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.CommitRequest.SerializeToString,
                 response_deserializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.CommitResponse.FromString,
                 _registered_method=True)
+        self.Landed = channel.unary_unary(
+                '/pdserve.v1.KVTransferService/Landed',
+                request_serializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.LandedRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.LandedResponse.FromString,
+                _registered_method=True)
         self.Abandon = channel.unary_unary(
                 '/pdserve.v1.KVTransferService/Abandon',
                 request_serializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.AbandonRequest.SerializeToString,
@@ -62,8 +67,10 @@ class KVTransferServiceServicer:
     """
 
     def Handshake(self, request, context):
-        """Checks that the sender's pool layout matches ours (FAILED_PRECONDITION if
-        not) and returns engine-specific metadata (e.g. memory handles).
+        """Once per (prefill worker, decode worker): checks that the sender's pool
+        layout matches ours (FAILED_PRECONDITION if not), picks the engine (our
+        --kv-transfer, or with auto the best both sides can use) and returns its
+        metadata (e.g. memory handles).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -78,6 +85,13 @@ class KVTransferServiceServicer:
 
     def Commit(self, request, context):
         """Marks a reservation's prompt KV as complete; decode may start.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Landed(self, request, context):
+        """After a Commit with writes_pending: every write has landed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -109,6 +123,11 @@ def add_KVTransferServiceServicer_to_server(servicer, server):
                     servicer.Commit,
                     request_deserializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.CommitRequest.FromString,
                     response_serializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.CommitResponse.SerializeToString,
+            ),
+            'Landed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Landed,
+                    request_deserializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.LandedRequest.FromString,
+                    response_serializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.LandedResponse.SerializeToString,
             ),
             'Abandon': grpc.unary_unary_rpc_method_handler(
                     servicer.Abandon,
@@ -198,6 +217,33 @@ class KVTransferService:
             '/pdserve.v1.KVTransferService/Commit',
             protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.CommitRequest.SerializeToString,
             protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.CommitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Landed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVTransferService/Landed',
+            protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.LandedRequest.SerializeToString,
+            protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.LandedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/pdserve/v1/worker.proto\x12\npdserve.v1\"\xac\x01\n\x0eWorkerSampling\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\"w\n\x08KVLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\"j\n\x08KVTarget\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x10\n\x08page_ids\x18\x04 \x03(\r\x12\x17\n\x0f\x65ngine_metadata\x18\x05 \x01(\x0c\"\x16\n\x14GetWorkerInfoRequest\"\xa8\x02\n\nWorkerInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12$\n\x06layout\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x13\n\x0btotal_pages\x18\x06 \x01(\r\x12\x12\n\nfree_pages\x18\x07 \x01(\r\x12\x18\n\x10running_requests\x18\x08 \x01(\r\x12\x17\n\x0fqueued_requests\x18\t \x01(\r\x12\x14\n\x0creservations\x18\n \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\x0b \x01(\t\x12\x1b\n\x13kv_transfer_engines\x18\x0c \x03(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/pdserve/v1/worker.proto\x12\npdserve.v1\"\xac\x01\n\x0eWorkerSampling\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\"w\n\x08KVLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\"A\n\x08KVTarget\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x10\n\x08page_ids\x18\x03 \x03(\r\"\x16\n\x14GetWorkerInfoRequest\"\xa8\x02\n\nWorkerInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12$\n\x06layout\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x13\n\x0btotal_pages\x18\x06 \x01(\r\x12\x12\n\nfree_pages\x18\x07 \x01(\r\x12\x18\n\x10running_requests\x18\x08 \x01(\r\x12\x17\n\x0fqueued_requests\x18\t \x01(\r\x12\x14\n\x0creservations\x18\n \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\x0b \x01(\t\x12\x1b\n\x13kv_transfer_engines\x18\x0c \x03(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,9 +36,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVLAYOUT']._serialized_start=221
   _globals['_KVLAYOUT']._serialized_end=340
   _globals['_KVTARGET']._serialized_start=342
-  _globals['_KVTARGET']._serialized_end=448
-  _globals['_GETWORKERINFOREQUEST']._serialized_start=450
-  _globals['_GETWORKERINFOREQUEST']._serialized_end=472
-  _globals['_WORKERINFO']._serialized_start=475
-  _globals['_WORKERINFO']._serialized_end=771
+  _globals['_KVTARGET']._serialized_end=407
+  _globals['_GETWORKERINFOREQUEST']._serialized_start=409
+  _globals['_GETWORKERINFOREQUEST']._serialized_end=431
+  _globals['_WORKERINFO']._serialized_start=434
+  _globals['_WORKERINFO']._serialized_end=730
 # @@protoc_insertion_point(module_scope)

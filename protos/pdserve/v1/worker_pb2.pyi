@@ -43,18 +43,14 @@ class KVLayout(_message.Message):
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
 
 class KVTarget(_message.Message):
-    __slots__ = ("engine", "address", "request_id", "page_ids", "engine_metadata")
-    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("address", "request_id", "page_ids")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
-    ENGINE_METADATA_FIELD_NUMBER: _ClassVar[int]
-    engine: str
     address: str
     request_id: str
     page_ids: _containers.RepeatedScalarFieldContainer[int]
-    engine_metadata: bytes
-    def __init__(self, engine: _Optional[str] = ..., address: _Optional[str] = ..., request_id: _Optional[str] = ..., page_ids: _Optional[_Iterable[int]] = ..., engine_metadata: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, address: _Optional[str] = ..., request_id: _Optional[str] = ..., page_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetWorkerInfoRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,132 @@
+"""The prefill side's links to decode workers: one handshake per decode worker, which tells us
+the engine that worker picked for us, then that engine connected; and the calls by which a
+sender reports its writes (commit, landed, abandon), their errors mapped here once."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from kv_transfer import create_sender, gpu_uuid, host_identity, usable_engines, visible_gpu_uuids
+from kv_transfer.base import KVTarget, Peer, Sender
+from pdserve.errors import LayoutMismatch, TransferFailed
+from pdserve.grpc_util import channel
+from pdserve.kvcache.pool import KVPool
+from pdserve.proto_convert import layout_to_proto
+from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DecodeLink:
+    """A connected decode worker: the engine it picked, that engine's state for it."""
+
+    peer: Peer
+    engine: str
+    sender: Sender
+    remote: Any                          # what sender.connect returned
+    timeout_s: float
+
+    async def send(self, target: KVTarget, src_pages: list[int], num_tokens: int) -> None:
+        """Writes ``src_pages`` into ``target``'s pages, waits until they have landed, commits."""
+        if len(src_pages) != len(target.page_ids):
+            raise TransferFailed(f"target has {len(target.page_ids)} pages, the prompt needs "
+                                 f"{len(src_pages)}")
+        await self.sender.write(self.remote, target.request_id, src_pages, target.page_ids,
+                                self.timeout_s)
+        await self.commit(target.request_id, num_tokens, writes_pending=False)
+
+    async def commit(self, request_id: str, num_tokens: int, writes_pending: bool) -> None:
+        await self._call("Commit", kv_transfer_pb2.CommitRequest(
+            request_id=request_id, num_tokens=num_tokens, writes_pending=writes_pending))
+
+    async def writes_landed(self, request_id: str) -> None:
+        await self._call("Landed", kv_transfer_pb2.LandedRequest(request_id=request_id))
+
+    async def _call(self, method: str, request: Any) -> Any:
+        try:
+            return await getattr(self.peer.stub, method)(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as err:
+            raise TransferFailed(f"KV transfer to {self.peer.address} failed: "
+                                 f"{err.code().name}: {err.details()}") from err
+
+
+class DecodeLinks:
+    """Every link of one prefill worker, made once per decode address: concurrent requests
+    share one attempt, and a failed attempt is retried by the next request."""
+
+    def __init__(self, pool: KVPool, timeout_s: float) -> None:
+        self.pool = pool
+        self.timeout_s = timeout_s
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._links: dict[str, asyncio.Task] = {}     # address -> the attempt to link
+        self._senders: dict[str, Sender] = {}          # engine -> its one sender
+
+    @property
+    def engines_in_use(self) -> list[str]:
+        return sorted(self._senders)
+
+    async def get(self, address: str) -> DecodeLink:
+        attempt = self._links.get(address)
+        if attempt is None or (attempt.done() and self.ready(address) is None):
+            attempt = asyncio.get_running_loop().create_task(self._link(address))
+            self._links[address] = attempt
+        return await asyncio.shield(attempt)
+
+    def ready(self, address: str) -> DecodeLink | None:
+        """The link to ``address`` if it is made already (without waiting)."""
+        attempt = self._links.get(address)
+        if attempt is None or not attempt.done() or attempt.cancelled() or attempt.exception():
+            return None
+        return attempt.result()
+
+    async def _link(self, address: str) -> DecodeLink:
+        stub = kv_transfer_pb2_grpc.KVTransferServiceStub(self._channel(address))
+        on_cuda = self.pool.tensor.device.type == "cuda"
+        request = kv_transfer_pb2.HandshakeRequest(
+            layout=layout_to_proto(self.pool.layout), host=host_identity(),
+            engines=usable_engines(on_cuda), gpu_uuid=gpu_uuid(self.pool.tensor.device),
+            visible_gpu_uuids=visible_gpu_uuids() if on_cuda else [])
+        try:
+            reply = await stub.Handshake(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise LayoutMismatch(f"decode {address} refused us: {err.details()}") from err
+            raise TransferFailed(f"handshake with {address}: {err.details()}") from err
+        log.info("KV transfer to %s: %r engine (%s)", address, reply.engine, reply.reason)
+        peer = Peer(address, stub, reply.engine_metadata, reply.host, reply.gpu_uuid)
+        sender = self._sender(reply.engine)
+        remote = await sender.connect(peer)
+        return DecodeLink(peer, reply.engine, sender, remote, self.timeout_s)
+
+    async def abandon(self, address: str, request_id: str) -> None:
+        """Tells a decode worker we write no more for ``request_id`` (best effort; linked
+        or not: its reservation may be fenced for fear of our writes)."""
+        stub = kv_transfer_pb2_grpc.KVTransferServiceStub(self._channel(address))
+        try:
+            await stub.Abandon(kv_transfer_pb2.AbandonRequest(request_id=request_id),
+                               timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as err:
+            log.info("abandon of %s at %s: %s", request_id, address, err.details())
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = channel(address)
+        return self._channels[address]
+
+    def _sender(self, engine: str) -> Sender:
+        if engine not in self._senders:
+            self._senders[engine] = create_sender(engine, self.pool)
+        return self._senders[engine]
+
+    async def close(self) -> None:
+        for attempt in self._links.values():
+            attempt.cancel()
+        for sender in self._senders.values():
+            await sender.close()
+        for ch in self._channels.values():
+            await ch.close()

@@ -1,0 +1,121 @@
+"""Moving one request's prompt KV into its decode reservation: the prefill side of the hand-off.
+
+A Handoff owns everything about that move: linking to the decode worker while the prompt waits,
+the layer-wise write during the prompt's last step (one-sided engines), the Commit, the report
+that the writes have landed, and, if the request fails, waiting until none of its writes can
+land before telling the decode worker it gave up. The prefill worker is the one that knows
+whether its writes have landed, so it is the one that says so.
+
+    after the prompt's last step:   write (or wait for the layer-wise one) -> Commit
+    layer-wise, one-sided engine:   Commit(writes pending) from the step's thread, as soon as
+                                    the last layer is enqueued -> wait until landed -> Landed
+    failed or cancelled:            settle writes -> (early Commit done) -> Abandon
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from kv_transfer.base import KVTarget, LayerwiseSender, PageWrite
+from kv_transfer.link import DecodeLink, DecodeLinks
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class HandoffResult:
+    engine: str
+    mode: str               # "layerwise" or "after_prefill"
+    bytes_moved: int
+    duration_s: float       # from the end of the prompt's last step until committed
+
+
+class Handoff:
+    def __init__(self, links: DecodeLinks, target: KVTarget, num_tokens: int) -> None:
+        self.links = links
+        self.target = target
+        self.num_tokens = num_tokens
+        self.write: PageWrite | None = None           # layer-wise, during the last step
+        self._tasks: set[asyncio.Task] = set()
+        self._link_ahead: asyncio.Task | None = None
+        self._early_commit: asyncio.Task | None = None
+        self._landed_report: asyncio.Task | None = None
+        self._given_up = False
+
+    def link_ahead(self) -> None:
+        """Starts linking to the decode worker while the prompt waits (failures are reported
+        by ``finish``, which tries again)."""
+        self._link_ahead = self._spawn(self.links.get(self.target.address))
+        self._link_ahead.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    def start_layerwise(self, src_pages: list[int]) -> PageWrite | None:
+        """A write that sends each layer as the step computes it, if the link is up and its
+        engine writes one-sidedly; otherwise None (``finish`` sends after the step)."""
+        link = self.links.ready(self.target.address)
+        if (link is None or not isinstance(link.sender, LayerwiseSender)
+                or len(src_pages) != len(self.target.page_ids)):
+            return None
+        loop = asyncio.get_running_loop()
+        self.write = link.sender.start_write(link.remote, src_pages, self.target.page_ids)
+        self.write.on_sent = lambda: loop.call_soon_threadsafe(self._commit_early, link)
+        return self.write
+
+    def _commit_early(self, link: DecodeLink) -> None:
+        """The last layer is on its way: commit now (writes pending), so the round trip
+        overlaps the end of the step instead of following it."""
+        if not self._given_up and self._early_commit is None:
+            self._early_commit = self._spawn(link.commit(self.target.request_id, self.num_tokens,
+                                                         writes_pending=True))
+            # Its error, if any, is finish's to report (or moot once the request failed).
+            self._early_commit.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    async def finish(self, src_pages: list[int]) -> HandoffResult:
+        """Gets the prompt's KV into the reservation and commits it; returns once the decode
+        worker may start (the pages are in its pool)."""
+        started = time.perf_counter()
+        link = await self.links.get(self.target.address)
+        request_id = self.target.request_id
+        if self.write is not None:
+            await self.write.wait(link.timeout_s)
+            if self._early_commit is not None:
+                await asyncio.shield(self._early_commit)
+                # The landed report goes out beside our reply, off the hand-off: the decode
+                # worker's Decode waits for it.
+                self._landed_report = self._spawn(self._report_landed(link))
+            else:   # the step ended before the commit was scheduled: the writes have landed
+                await link.commit(request_id, self.num_tokens, writes_pending=False)
+            mode = "layerwise"
+        else:
+            await link.send(self.target, src_pages, self.num_tokens)
+            mode = "after_prefill"
+        return HandoffResult(link.engine, mode, len(src_pages) * self.links.pool.bytes_per_page,
+                             time.perf_counter() - started)
+
+    async def _report_landed(self, link: DecodeLink) -> None:
+        try:
+            await link.writes_landed(self.target.request_id)
+        except Exception as err:  # noqa: BLE001 - a lost report costs a fence, not the request
+            log.info("request %s: reporting its KV landed: %s", self.target.request_id, err)
+
+    async def settle(self) -> None:
+        """Returns once no write of ours reads the source pages any more."""
+        if self.write is not None:
+            await self.write.settle()
+
+    async def give_up(self) -> None:
+        """After a failed or cancelled request: once none of its writes can land any more,
+        tell the decode worker, which may then reuse the reserved pages."""
+        self._given_up = True
+        await self.settle()
+        pending = [t for t in (self._early_commit, self._landed_report) if t is not None]
+        if pending:   # so the Abandon reaches the decode worker after them
+            await asyncio.wait(pending)
+        await self.links.abandon(self.target.address, self.target.request_id)
+
+    def _spawn(self, coro) -> asyncio.Task:  # noqa: ANN001
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task

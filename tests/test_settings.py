@@ -1,0 +1,80 @@
+"""Every flag is declared once, on a config field: the parsers, `pdserve up`'s forwarding and
+the rules every role shares all come from one place."""
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.cli import build_parser, role_config
+from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig, RouterConfig
+from pdserve.launcher import ClusterPlan
+from pdserve.sampling_params import SamplingParams, finish_reason, sample_row
+from pdserve.settings import to_argv
+
+
+def test_every_setting_has_help_and_shows_its_default():
+    for role in ("up", "router", "prefill", "decode"):
+        parser = build_parser()
+        sub = parser._subparsers._group_actions[0].choices[role]  # noqa: SLF001
+        for action in sub._actions:  # noqa: SLF001
+            if action.dest != "help":
+                assert action.help, (role, action.dest)
+
+
+def test_a_role_parses_into_its_config_with_the_fields_defaults():
+    config = role_config("prefill", build_parser().parse_args(["prefill"]))
+    assert config == PrefillConfig()
+    config = role_config("decode", build_parser().parse_args(
+        ["decode", "--lease-timeout-s", "7", "--kv-transfer", "grpc", "--disable-cuda-graph"]))
+    assert config.lease_timeout_s == 7 and config.kv_transfer == "grpc"
+    assert config.engine.disable_cuda_graph and config.server.port == 0
+    assert role_config("router", build_parser().parse_args(["router"])).server.port == 50051
+
+
+def test_up_forwards_each_child_exactly_the_settings_it_was_given():
+    args = build_parser().parse_args([
+        "up", "--model", "tiny", "--page-size", "4", "--no-layerwise-transfer",
+        "--disable-cuda-graph", "--lease-timeout-s", "3", "--kv-transfer", "grpc",
+        "--health-interval-s", "0.5", "--decode-devices", "cpu"])
+    plan = ClusterPlan.from_args(args)
+    prefill = build_parser().parse_args(["prefill", *plan.worker_argv("prefill", 0)])
+    decode = build_parser().parse_args(["decode", *plan.worker_argv("decode", 0)])
+    router = build_parser().parse_args(["router", *plan.router_argv(["a:1"], ["b:2"])])
+    expected_engine = EngineConfig(model="tiny", page_size=4, disable_cuda_graph=True)
+    assert role_config("prefill", prefill).engine == expected_engine
+    assert not role_config("prefill", prefill).layerwise_transfer
+    assert role_config("decode", decode).engine == dataclasses.replace(expected_engine, device="cpu")
+    assert role_config("decode", decode).lease_timeout_s == 3
+    assert role_config("decode", decode).kv_transfer == "grpc"
+    routed = role_config("router", router)
+    assert (routed.health_interval_s, routed.prefill_addrs, routed.decode_addrs) == (0.5, ["a:1"], ["b:2"])
+
+
+@pytest.mark.parametrize("config", [EngineConfig(torch_threads=2, fused_rope_kv=False),
+                                    DecodeConfig(max_running_requests=8),
+                                    RouterConfig(prefill_addrs=["x:1", "y:2"])])
+def test_to_argv_round_trips(config):
+    role = {EngineConfig: "prefill", DecodeConfig: "decode", RouterConfig: "router"}[type(config)]
+    parsed = vars(build_parser().parse_args([role, *to_argv(config)]))
+    for field in dataclasses.fields(config):
+        if field.name in parsed:
+            assert parsed[field.name] == getattr(config, field.name), field.name
+
+
+def test_one_finish_rule_and_one_history_rule():
+    params = SamplingParams(max_new_tokens=3, stop_token_ids=(9,), repetition_penalty=1.2)
+    assert finish_reason(params, [1]) is None
+    assert finish_reason(params, [1, 9]) == "stop"
+    assert finish_reason(params, [1, 2, 3]) == "length"
+    assert finish_reason(params, [1, 2, 9]) == "stop"
+    row = sample_row(params, [5, 6], [7], output_offset=4)
+    assert row.history == [5, 6, 7] and row.output_index == 5
+    assert sample_row(SamplingParams(), [5, 6], [7]).history is None
+
+
+def test_the_router_does_not_import_torch():
+    code = "import sys, router.server; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
