@@ -45,6 +45,7 @@ class ReservationTable:
         self.unseen_writes_possible = unseen_writes_possible
         self._by_id: dict[str, Reservation] = {}       # every state but RELEASED
         self._waiters: deque[asyncio.Future] = deque()
+        self.held_pages = 0                              # pages our reservations hold
 
     def __len__(self) -> int:
         """Reservations not fenced (what a client would call open)."""
@@ -80,11 +81,13 @@ class ReservationTable:
         if request_id in self._by_id:  # the same id reserved again while we waited
             self._wake_next()
             raise InvalidRequest(f"request {request_id!r} already has a reservation")
+        self.held_pages += needed   # counted first: the allocator's gauges read it
         res = Reservation(request_id, prompt_len, max_new_tokens, allocator.alloc(needed),
                           prompt_pages=self.pool.pages_for(prompt_len))
         self._by_id[request_id] = res
         self._start_timer(res, self.lease_timeout_s, Event.LEASE_EXPIRED)
         self._wake_next()
+        self._publish()
         return res
 
     async def _wait_for(self, needed: int) -> None:
@@ -190,8 +193,14 @@ class ReservationTable:
             res.timer = None
         if res.state is State.RELEASED:
             del self._by_id[res.request_id]
+            self.held_pages -= len(res.pages)
             self.pool.allocator.free(res.pages)
             self._wake_next()
+        self._publish()
+
+    def _publish(self) -> None:
+        if self.metrics:
+            self.metrics.reservations.set(len(self))
 
     def _start_timer(self, res: Reservation, delay_s: float, event: Event) -> None:
         if res.timer is not None:

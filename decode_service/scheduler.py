@@ -164,8 +164,6 @@ class DecodeLoop:
 
     def _publish_load(self) -> None:
         self.metrics.set_load(len(self._running), len(self._waiting) + self.table.num_waiting)
-        self.metrics.set_pool(self.runner.pool.allocator.num_free, self.runner.pool.allocator.total)
-        self.metrics.reservations.set(len(self.table))
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -102,7 +102,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                             context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
         return worker_info(self.runner, "decode", self.worker, running=self.loop.num_running,
                            queued=self.loop.num_waiting + self.table.num_waiting,
-                           reservations=len(self.table), engines=self.engines)
+                           reservations=len(self.table), engines=self.engines,
+                           held_pages=self.table.held_pages,
+                           fenced_pages=self.table.num_fenced_pages)
 
 
 async def serve(config: DecodeConfig) -> None:
@@ -115,6 +117,7 @@ async def serve(config: DecodeConfig) -> None:
                              config.lease_timeout_s,
                              unseen_writes_possible=writes_unseen(engines),
                              metrics=metrics)
+    metrics.watch_pool(runner.pool.allocator, lambda: table.held_pages)
     loop = DecodeLoop(runner, table, config.max_running_requests, metrics)
     # Prefill workers write KV into our KVTransferService: on the main port, or on a port of its
     # own so a NetworkPolicy can open it to prefill pods alone.

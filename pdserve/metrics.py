@@ -6,6 +6,7 @@ dashboard never queries a name a running process does not export.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -83,10 +84,20 @@ class WorkerMetrics(RoleMetrics):
         self.pages_free = self._metric(Gauge, "pdserve_kv_pages_free", "KV pages free")
         self.transfer_bytes = self._metric(Counter, "pdserve_kv_transfer_bytes_total",
                                            "KV bytes sent (prefill) or received (decode)")
+        self.pages_leaked = self._metric(Gauge, "pdserve_kv_pages_leaked",
+                                         "KV pages allocated that no request or reservation "
+                                         "holds (0 unless pages leaked)")
 
-    def set_pool(self, free: int, total: int) -> None:
-        self.pages_free.set(free)
-        self.pages_used.set(total - free)
+    def watch_pool(self, allocator: Any, held_pages: Callable[[], int]) -> None:
+        """Pool gauges follow every allocation and free (``held_pages()``: pages the worker's
+        requests and reservations hold, counted by their owner; the rest leaked)."""
+        def on_change(free: int, total: int) -> None:
+            self.pages_free.set(free)
+            self.pages_used.set(total - free)
+            self.pages_leaked.set(total - free - held_pages())
+
+        allocator.on_change = on_change
+        on_change(allocator.num_free, allocator.total)
 
     def set_load(self, running: int, queued: int) -> None:
         self.running.set(running)

@@ -37,7 +37,9 @@ def sampling_from_proto(msg: worker_pb2.WorkerSampling) -> SamplingParams:
 
 
 def worker_info(runner: ModelRunner, role: str, worker: str, running: int, queued: int,
-                reservations: int, engines: list[str]) -> worker_pb2.WorkerInfo:
+                reservations: int, engines: list[str], held_pages: int,
+                fenced_pages: int = 0) -> worker_pb2.WorkerInfo:
+    """``held_pages``: pages the worker's requests and reservations hold (fenced included)."""
     cfg = runner.model_config
     allocator = runner.pool.allocator
     return worker_pb2.WorkerInfo(
@@ -45,4 +47,5 @@ def worker_info(runner: ModelRunner, role: str, worker: str, running: int, queue
         vocab_size=cfg.vocab_size, max_model_len=cfg.max_model_len, total_pages=allocator.total,
         free_pages=allocator.num_free, running_requests=running, queued_requests=queued,
         reservations=reservations, attention_backend=runner.backend_name,
-        kv_transfer_engines=engines)
+        kv_transfer_engines=engines, fenced_pages=fenced_pages,
+        leaked_pages=allocator.total - allocator.num_free - held_pages)

@@ -66,6 +66,8 @@ class PrefillScheduler:
         self._wake = asyncio.Event()
         self._background: set[asyncio.Task] = set()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="prefill-step")
+        self.held_pages = 0                              # pages our tasks hold (leak check)
+        metrics.watch_pool(self.pool.allocator, lambda: self.held_pages)
 
     @property
     def num_running(self) -> int:
@@ -134,6 +136,7 @@ class PrefillScheduler:
             if not self.pool.allocator.can_alloc(needed):
                 return  # first come, first served: later prompts wait behind this one
             self._waiting.popleft()
+            self.held_pages += needed   # counted first: the allocator's gauges read it
             task.pages = self.pool.allocator.alloc(needed)
             self._running.append(task)
 
@@ -231,8 +234,9 @@ class PrefillScheduler:
 
     def _free(self, task: PrefillTask) -> None:
         if task.pages:
-            self.pool.allocator.free(task.pages)
-            task.pages = []
+            pages, task.pages = task.pages, []
+            self.held_pages -= len(pages)
+            self.pool.allocator.free(pages)
             self._wake.set()  # waiting prompts may fit now
 
     def _spawn(self, coro) -> asyncio.Task:  # noqa: ANN001
@@ -243,7 +247,6 @@ class PrefillScheduler:
 
     def _publish_load(self) -> None:
         self.metrics.set_load(self.num_running, self.num_waiting)
-        self.metrics.set_pool(self.pool.allocator.num_free, self.pool.allocator.total)
 
     async def shutdown(self) -> None:
         for task in list(self._background):

@@ -61,7 +61,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                             context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
         return worker_info(self.runner, "prefill", self.worker, running=self.scheduler.num_running,
                            queued=self.scheduler.num_waiting, reservations=0,
-                           engines=self.scheduler.links.engines_in_use)
+                           engines=self.scheduler.links.engines_in_use,
+                           held_pages=self.scheduler.held_pages)
 
 
 async def serve(config: PrefillConfig) -> None:

@@ -54,6 +54,11 @@ class Cluster:
     def free_pages(self) -> dict[str, int]:
         return {role: self.worker_info(role).free_pages for role in ("prefill", "decode")}
 
+    def leaked_pages(self) -> dict[str, int]:
+        """Pages each worker's allocator has out that none of its requests holds (0 each)."""
+        return {f"{role}{i}": self.worker_info(role, i).leaked_pages
+                for role in ("prefill", "decode") for i in range(len(self.workers[role]))}
+
     def wait_free_pages(self, expected: dict[str, int], timeout_s: float = 10.0) -> dict[str, int]:
         """Polls until every worker's free page count is back to ``expected`` (or times out)."""
         deadline = time.monotonic() + timeout_s
@@ -97,6 +102,16 @@ def cluster():
     c = start_cluster()
     yield c
     stop_cluster(c)
+
+
+@pytest.fixture(autouse=True)
+def no_pages_leaked(request):
+    """After every test on the shared cluster: no worker lost a page."""
+    yield
+    if "cluster" in request.fixturenames:
+        shared = request.getfixturevalue("cluster")
+        if shared.process.poll() is None:
+            assert shared.leaked_pages() == dict.fromkeys(shared.leaked_pages(), 0)
 
 
 @pytest.fixture(scope="session")
@@ -143,12 +158,29 @@ class RoleProcesses:
     def stub(self) -> generate_pb2_grpc.GenerationServiceStub:
         return generate_pb2_grpc.GenerationServiceStub(grpc.insecure_channel(self.router))
 
+    def leaked_pages(self) -> dict[str, int]:
+        """Pages each live worker's allocator has out that none of its requests holds."""
+        stubs = {"prefill": prefill_pb2_grpc.PrefillServiceStub,
+                 "decode": decode_pb2_grpc.DecodeServiceStub}
+        leaked = {}
+        for name, address in self.addresses.items():
+            if self.processes[name].poll() is None:
+                with grpc.insecure_channel(address) as ch:
+                    leaked[name] = stubs[name.rstrip("0123456789")](ch).GetWorkerInfo(
+                        worker_pb2.GetWorkerInfoRequest(), timeout=5).leaked_pages
+        return leaked
+
     def stop(self) -> None:
-        for process in self.processes.values():
-            if process.poll() is None:
-                process.terminate()
-        for process in self.processes.values():
-            process.wait(30)
+        """Stops every process; fails if a live worker leaked pages."""
+        try:
+            leaked = self.leaked_pages()
+        finally:
+            for process in self.processes.values():
+                if process.poll() is None:
+                    process.terminate()
+            for process in self.processes.values():
+                process.wait(30)
+        assert not any(leaked.values()), f"pages leaked: {leaked}"
 
 
 def _wait_serving(address: str, process: subprocess.Popen, timeout_s: float = 60) -> None:

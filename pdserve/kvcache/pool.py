@@ -1,6 +1,8 @@
 """The paged KV pool: one tensor per process and the allocator of its pages."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from pdserve.errors import Overloaded
@@ -54,12 +56,14 @@ class KVPool:
 
 
 class PageAllocator:
-    """Free-list allocator; all-or-nothing allocation; detects double frees."""
+    """Free-list allocator; all-or-nothing allocation; detects double frees. ``on_change(free,
+    total)`` runs after every allocation and free (gauges stay true at rest)."""
 
     def __init__(self, num_pages: int) -> None:
         self.total = num_pages - 1
         self._free = list(range(num_pages - 1, NULL_PAGE, -1))
         self._in_use = bytearray(num_pages)
+        self.on_change: Callable[[int, int], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -75,6 +79,8 @@ class PageAllocator:
         del self._free[len(self._free) - count:]
         for page in pages:
             self._in_use[page] = 1
+        if self.on_change is not None:
+            self.on_change(len(self._free), self.total)
         return pages
 
     def free(self, pages: list[int]) -> None:
@@ -83,3 +89,5 @@ class PageAllocator:
                 raise RuntimeError(f"page {page} freed twice")
             self._in_use[page] = 0
         self._free.extend(pages)
+        if self.on_change is not None:
+            self.on_change(len(self._free), self.total)
