@@ -146,6 +146,18 @@ class ReservationTable:
         if res is not None:
             self._fire(res, Event.WRITES_ABANDONED)
 
+    def renew(self, request_ids: list[str]) -> list[str]:
+        """Starts the leases of ``request_ids`` again (their sender still holds them); returns
+        those with no reservation left to renew."""
+        gone = []
+        for request_id in request_ids:
+            res = self._by_id.get(request_id)
+            if res is None or res.state not in LEASED:
+                gone.append(request_id)
+            else:
+                self._start_timer(res, self.lease_timeout_s, Event.LEASE_EXPIRED)
+        return gone
+
     # Events from the router and the decode loop.
 
     async def start_decoding(self, request_id: str) -> Reservation:

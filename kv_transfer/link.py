@@ -30,6 +30,7 @@ class DecodeLink:
     sender: Sender
     remote: Any                          # what sender.connect returned
     timeout_s: float
+    lease_timeout_s: float               # the decode worker's: renew well within it
 
     async def send(self, target: KVTarget, src_pages: list[int], num_tokens: int) -> None:
         """Writes ``src_pages`` into ``target``'s pages, waits until they have landed, commits."""
@@ -101,7 +102,8 @@ class DecodeLinks:
         peer = Peer(address, stub, reply.engine_metadata, reply.host, reply.gpu_uuid)
         sender = self._sender(reply.engine)
         remote = await sender.connect(peer)
-        return DecodeLink(peer, reply.engine, sender, remote, self.timeout_s)
+        return DecodeLink(peer, reply.engine, sender, remote, self.timeout_s,
+                          reply.lease_timeout_s)
 
     async def abandon(self, address: str, request_id: str) -> None:
         """Tells a decode worker we write no more for ``request_id`` (best effort; linked
@@ -112,6 +114,17 @@ class DecodeLinks:
                                timeout=self.timeout_s)
         except grpc.aio.AioRpcError as err:
             log.info("abandon of %s at %s: %s", request_id, address, err.details())
+
+    async def renew(self, address: str, request_ids: list[str]) -> list[str]:
+        """Renews the leases of requests we hold at ``address``; returns those it no longer
+        has. Raises TransferFailed if it cannot be reached."""
+        stub = kv_transfer_pb2_grpc.KVTransferServiceStub(self._channel(address))
+        try:
+            reply = await stub.Renew(kv_transfer_pb2.RenewRequest(request_ids=request_ids),
+                                     timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as err:
+            raise TransferFailed(f"renewing leases at {address}: {err.details()}") from err
+        return list(reply.gone)
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:

@@ -87,7 +87,8 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
         log.info("prefill %s writes KV with the %r engine (%s)", context.peer(), engine, reason)
         return kv_transfer_pb2.HandshakeResponse(
             engine=engine, reason=reason, engine_metadata=self.receiver(engine).metadata(),
-            host=host_identity(), gpu_uuid=gpu_uuid(self.pool.tensor.device))
+            host=host_identity(), gpu_uuid=gpu_uuid(self.pool.tensor.device),
+            lease_timeout_s=self.sink.lease_timeout_s)
 
     @map_errors
     async def WritePages(self, request_iterator, context: grpc.aio.ServicerContext  # noqa: ANN001
@@ -109,6 +110,11 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
                      context: grpc.aio.ServicerContext) -> kv_transfer_pb2.LandedResponse:
         self.sink.on_writes_landed(request.request_id)
         return kv_transfer_pb2.LandedResponse()
+
+    @map_errors
+    async def Renew(self, request: kv_transfer_pb2.RenewRequest,
+                    context: grpc.aio.ServicerContext) -> kv_transfer_pb2.RenewResponse:
+        return kv_transfer_pb2.RenewResponse(gone=self.sink.renew(list(request.request_ids)))
 
     @map_errors
     async def Abandon(self, request: kv_transfer_pb2.AbandonRequest,

@@ -67,6 +67,8 @@ class PrefillConfig:
                               "longer prompts are chunked")
     max_queued_requests: int = setting(1024, "prompts waiting for pages before "
                                        "RESOURCE_EXHAUSTED")
+    max_queue_wait_s: float = setting(60.0, "a prompt that waits this long without starting "
+                                      "gets RESOURCE_EXHAUSTED (the router tries elsewhere)")
     transfer_timeout_s: float = setting(30.0, "longest a KV hand-off (or a handshake) may take")
     layerwise_transfer: bool = setting(True, "with cuda_ipc/nixl, send each layer's KV as it is "
                                        "computed (else after the prompt's last step)")
@@ -81,7 +83,9 @@ class DecodeConfig:
                                            "RESOURCE_EXHAUSTED")
     reserve_wait_s: float = setting(10.0, "how long a reservation waits for free KV pages "
                                     "before RESOURCE_EXHAUSTED")
-    lease_timeout_s: float = setting(30.0, "a reservation not decoding by then is freed")
+    lease_timeout_s: float = setting(30.0, "a reservation not decoding this long after its "
+                                     "last renewal is freed (its prefill worker renews it while "
+                                     "it holds the request)")
     kv_transfer_port: int = setting(-1, "serve KV transfers on their own port (-1: the main "
                                     "gRPC port)")
     kv_transfer: str = setting("auto", "engine prefill writes this worker's KV with: grpc "

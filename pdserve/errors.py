@@ -35,12 +35,23 @@ class RequestAborted(PdserveError):
 
 
 class TransferFailed(PdserveError):
-    code = grpc.StatusCode.UNAVAILABLE
+    """A request's KV hand-off failed: the request fails, its workers stay healthy (the router
+    tries another pair, and answers UNAVAILABLE if none works)."""
+
+    code = grpc.StatusCode.ABORTED
+
+
+# The codes of the public API; a worker's other codes reach a client as UNAVAILABLE.
+PUBLIC_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                          grpc.StatusCode.CANCELLED})
 
 
 class UpstreamError(PdserveError):
-    """A worker's gRPC error, passed on to the client with its status code."""
+    """A worker's gRPC error, passed on to the client with its status code where the public
+    API has it (else UNAVAILABLE); ``worker_code`` keeps the worker's."""
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
-        self.code = code
+        self.worker_code = code
+        self.code = code if code in PUBLIC_CODES else grpc.StatusCode.UNAVAILABLE

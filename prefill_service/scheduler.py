@@ -26,6 +26,7 @@ from pdserve.errors import InvalidRequest, Overloaded
 from pdserve.metrics import PrefillMetrics
 from pdserve.sampling_params import SamplingParams, sample_row
 from prefill_service.handoff import Handoff
+from prefill_service.leases import LeaseKeeper
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +52,12 @@ class PrefillTask:
 
 class PrefillScheduler:
     def __init__(self, runner: ModelRunner, links: DecodeLinks, chunk_size: int, max_queued: int,
-                 metrics: PrefillMetrics, layerwise: bool = True) -> None:
+                 metrics: PrefillMetrics, layerwise: bool = True,
+                 max_queue_wait_s: float = 60.0) -> None:
         self.runner = runner
         self.links = links
+        self.leases = LeaseKeeper(links)
+        self.max_queue_wait_s = max_queue_wait_s
         self.layerwise = layerwise
         self.pool = runner.pool
         self.chunk_size = chunk_size
@@ -87,10 +91,15 @@ class PrefillScheduler:
             raise Overloaded(f"prefill worker overloaded: {len(self._waiting)} prompts waiting")
         self._waiting.append(task)
         task.handoff.link_ahead()
+        target = task.handoff.target
+        self.leases.hold(target.address, target.request_id, lambda: self.abort(task, Overloaded(
+            f"request {task.request_id}: its decode reservation expired before its prompt "
+            "was computed")))
         self._wake.set()
         try:
             return await asyncio.shield(task.result)
         finally:
+            self.leases.drop(target.address, target.request_id)
             if not task.result.done():
                 self.abort(task)
 
@@ -104,7 +113,9 @@ class PrefillScheduler:
 
         self._spawn(run())
 
-    def abort(self, task: PrefillTask) -> None:
+    def abort(self, task: PrefillTask, error: Exception | None = None) -> None:
+        """Drops ``task`` wherever it is, freeing its pages once nothing reads them; its
+        caller gets ``error`` (or a cancellation)."""
         task.aborted = True
         if task in self._waiting:
             self._waiting.remove(task)
@@ -115,9 +126,19 @@ class PrefillScheduler:
         if task.transfer is not None:
             task.transfer.cancel()  # its done callback frees the pages, started or not
         if not task.result.done():
-            task.result.cancel()
+            if error is None:
+                task.result.cancel()
+            else:
+                task.result.set_exception(error)
 
     async def run(self) -> None:
+        lease_task = asyncio.get_running_loop().create_task(self.leases.run())
+        try:
+            await self._loop()
+        finally:
+            lease_task.cancel()
+
+    async def _loop(self) -> None:
         while True:
             self._admit()
             self._publish_load()
@@ -130,6 +151,11 @@ class PrefillScheduler:
             self._finish_step(plan, tokens)
 
     def _admit(self) -> None:
+        now = time.monotonic()
+        while self._waiting and now - self._waiting[0].enqueued_at > self.max_queue_wait_s:
+            self.abort(self._waiting[0], Overloaded(
+                f"prefill worker overloaded: a prompt waited {self.max_queue_wait_s:g} s "
+                "without starting"))
         while self._waiting:
             task = self._waiting[0]
             needed = self.pool.pages_for(len(task.prompt_ids))

@@ -72,7 +72,8 @@ async def serve(config: PrefillConfig) -> None:
     metrics = PrefillMetrics(worker)
     links = DecodeLinks(runner.pool, config.transfer_timeout_s)
     scheduler = PrefillScheduler(runner, links, config.chunk_size, config.max_queued_requests,
-                                 metrics, layerwise=config.layerwise_transfer)
+                                 metrics, layerwise=config.layerwise_transfer,
+                                 max_queue_wait_s=config.max_queue_wait_s)
     server.add(prefill_pb2_grpc.add_PrefillServiceServicer_to_server,
                PrefillServicer(runner, scheduler, worker),
                [prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name])

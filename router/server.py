@@ -26,8 +26,10 @@ log = logging.getLogger(__name__)
 
 FINISH = {None: generate_pb2.FINISH_REASON_UNSPECIFIED, "length": generate_pb2.FINISH_REASON_LENGTH,
           "stop": generate_pb2.FINISH_REASON_STOP}
-# Failures before the first token that another worker pair may not have.
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+# Failures before the first token that another worker pair may not have. Only UNAVAILABLE (the
+# worker cannot be reached) says anything of a worker's health; the others are the request's.
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+             grpc.StatusCode.ABORTED}
 MAX_ATTEMPTS = 3
 MAX_RECOVERIES = 2   # times a request may move to another pair after losing its decode worker
 
@@ -89,7 +91,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
         except PdserveError as err:
             outcome = err.code.name.lower()
             await context.abort(err.code, str(err))
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):   # the client went away
             remaining = context.time_remaining()
             outcome = ("deadline_exceeded" if remaining is not None and remaining <= 0
                        else "cancelled")
@@ -178,9 +180,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
             with self.workers.track(pair.prefill):
                 return await pair.run_prefill(reserved, time_remaining(context))
         except grpc.aio.AioRpcError as err:
-            if err.code() != grpc.StatusCode.UNAVAILABLE:
+            if err.code() not in RETRYABLE:
                 raise upstream(err, pair.prefill) from err
-            self.workers.mark_unhealthy(pair.prefill, err.details() or "unavailable")
+            if err.code() == grpc.StatusCode.UNAVAILABLE:
+                self.workers.mark_unhealthy(pair.prefill, err.details() or "unavailable")
             raise RetryElsewhere(upstream(err, pair.prefill), "") from err
 
     async def _decode(self, pair: PairAttempt, first_token: int, output: OutputAssembler,

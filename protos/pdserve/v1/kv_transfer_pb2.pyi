@@ -22,18 +22,20 @@ class HandshakeRequest(_message.Message):
     def __init__(self, layout: _Optional[_Union[_worker_pb2.KVLayout, _Mapping]] = ..., host: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ..., gpu_uuid: _Optional[str] = ..., visible_gpu_uuids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("engine", "reason", "engine_metadata", "host", "gpu_uuid")
+    __slots__ = ("engine", "reason", "engine_metadata", "host", "gpu_uuid", "lease_timeout_s")
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     ENGINE_METADATA_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     engine: str
     reason: str
     engine_metadata: bytes
     host: str
     gpu_uuid: str
-    def __init__(self, engine: _Optional[str] = ..., reason: _Optional[str] = ..., engine_metadata: _Optional[bytes] = ..., host: _Optional[str] = ..., gpu_uuid: _Optional[str] = ...) -> None: ...
+    lease_timeout_s: float
+    def __init__(self, engine: _Optional[str] = ..., reason: _Optional[str] = ..., engine_metadata: _Optional[bytes] = ..., host: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., lease_timeout_s: _Optional[float] = ...) -> None: ...
 
 class PageChunk(_message.Message):
     __slots__ = ("request_id", "page_ids", "data")
@@ -84,3 +86,15 @@ class AbandonRequest(_message.Message):
 class AbandonResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class RenewRequest(_message.Message):
+    __slots__ = ("request_ids",)
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RenewResponse(_message.Message):
+    __slots__ = ("gone",)
+    GONE_FIELD_NUMBER: _ClassVar[int]
+    gone: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, gone: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -60,6 +60,11 @@ class KVTransferServiceStub:
                 request_serializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.AbandonRequest.SerializeToString,
                 response_deserializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.AbandonResponse.FromString,
                 _registered_method=True)
+        self.Renew = channel.unary_unary(
+                '/pdserve.v1.KVTransferService/Renew',
+                request_serializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.RenewRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.RenewResponse.FromString,
+                _registered_method=True)
 
 
 class KVTransferServiceServicer:
@@ -106,6 +111,14 @@ class KVTransferServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Renew(self, request, context):
+        """The sender still holds these requests (queued or computing): their leases
+        start again. A lease guards against a dead peer, not against a queue.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTransferServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -133,6 +146,11 @@ def add_KVTransferServiceServicer_to_server(servicer, server):
                     servicer.Abandon,
                     request_deserializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.AbandonRequest.FromString,
                     response_serializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.AbandonResponse.SerializeToString,
+            ),
+            'Renew': grpc.unary_unary_rpc_method_handler(
+                    servicer.Renew,
+                    request_deserializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.RenewRequest.FromString,
+                    response_serializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.RenewResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -271,6 +289,33 @@ class KVTransferService:
             '/pdserve.v1.KVTransferService/Abandon',
             protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.AbandonRequest.SerializeToString,
             protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.AbandonResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Renew(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVTransferService/Renew',
+            protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.RenewRequest.SerializeToString,
+            protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.RenewResponse.FromString,
             options,
             channel_credentials,
             insecure,
