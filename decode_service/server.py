@@ -18,6 +18,7 @@ from pdserve.errors import InvalidRequest, PdserveError
 from pdserve.grpc_util import Server, map_errors
 from pdserve.metrics import DecodeMetrics
 from pdserve.proto_convert import sampling_from_proto, worker_info
+from pdserve.sampling_params import SamplingParams, check_sampling, check_token_ids
 from pdserve.serving import (
     advertised_address,
     make_server,
@@ -55,6 +56,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                       context: grpc.aio.ServicerContext) -> decode_pb2.ReserveResponse:
         if not request.request_id:
             raise InvalidRequest("request_id is required")
+        max_len = self.runner.model_config.max_model_len
+        if request.prompt_len + request.max_new_tokens > max_len:
+            raise InvalidRequest(f"prompt_len {request.prompt_len} + max_new_tokens "
+                                 f"{request.max_new_tokens} exceeds max_model_len {max_len}")
         res = await self.table.reserve(request.request_id, request.prompt_len,
                                        request.max_new_tokens)
         target = KVTarget(self.address, request.request_id, res.pages[:res.prompt_pages])
@@ -63,9 +68,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     @map_errors
     async def Decode(self, request: decode_pb2.DecodeRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        params = sampling_from_proto(request.sampling)
+        prompt_ids = list(request.prompt_token_ids)
+        self._check_decode(request, params, prompt_ids)
         res = await self.table.start_decoding(request.request_id)
-        req = DecodeRequest(request.request_id, res, sampling_from_proto(request.sampling),
-                            list(request.prompt_token_ids), [request.first_token_id],
+        req = DecodeRequest(request.request_id, res, params, prompt_ids, [request.first_token_id],
                             output_offset=request.output_offset)
         self.loop.add(req)
         outcome = "cancelled"
@@ -90,6 +97,20 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         finally:
             self.loop.abort(request.request_id)
             self.loop.metrics.request_done(outcome)
+
+    def _check_decode(self, request: decode_pb2.DecodeRequest, params: SamplingParams,
+                      prompt_ids: list[int]) -> None:
+        """What a Decode call asks must fit its reservation, so that it can fail only itself."""
+        res = self.table.get(request.request_id)
+        vocab_size = self.runner.model_config.vocab_size
+        check_sampling(params, vocab_size)
+        check_token_ids([request.first_token_id, *prompt_ids], vocab_size)
+        if params.max_new_tokens > res.max_new_tokens:
+            raise InvalidRequest(f"max_new_tokens {params.max_new_tokens} exceeds the "
+                                 f"{res.max_new_tokens} reserved")
+        if len(prompt_ids) != res.prompt_len:
+            raise InvalidRequest(f"{len(prompt_ids)} prompt token ids for a reservation of "
+                                 f"{res.prompt_len}")
 
     @map_errors
     async def Release(self, request: decode_pb2.ReleaseRequest,

@@ -14,6 +14,7 @@ from pdserve.errors import InvalidRequest, PdserveError
 from pdserve.grpc_util import map_errors
 from pdserve.metrics import PrefillMetrics
 from pdserve.proto_convert import sampling_from_proto, worker_info
+from pdserve.sampling_params import check_sampling, check_token_ids
 from pdserve.serving import make_server, serve_until_signal, start_metrics, worker_id
 from prefill_service.handoff import Handoff
 from prefill_service.scheduler import PrefillScheduler, PrefillTask
@@ -40,8 +41,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         try:
             if not prompt:
                 raise InvalidRequest("empty prompt")
-            if max(prompt) >= self.runner.model_config.vocab_size:
-                raise InvalidRequest("prompt token id outside the vocabulary")
+            check_token_ids(prompt, self.runner.model_config.vocab_size, "prompt token id")
+            check_sampling(task.params, self.runner.model_config.vocab_size)
             first_token = await self.scheduler.submit(task)
             outcome = "finished"
         except PdserveError as err:

@@ -1,14 +1,13 @@
 """Turns a GenerateRequest into a checked GenerationJob, or says clearly what is wrong with it."""
 from __future__ import annotations
 
-import math
 import os
 import uuid
 from dataclasses import dataclass, replace
 
 from pdserve.errors import InvalidRequest
 from pdserve.models.config import ModelConfig
-from pdserve.sampling_params import SamplingParams
+from pdserve.sampling_params import SamplingParams, check_sampling, check_token_ids
 from pdserve.tokenizer import Tokenizer
 from protos.pdserve.v1 import generate_pb2
 
@@ -34,12 +33,6 @@ class GenerationJob:
                        output_offset=self.output_offset + len(generated))
 
 
-def _finite(name: str, value: float) -> float:
-    if not math.isfinite(value):
-        raise InvalidRequest(f"{name} must be a finite number, got {value}")
-    return value
-
-
 def _prompt(request: generate_pb2.GenerateRequest, model: ModelConfig,
             tokenizer: Tokenizer) -> list[int]:
     kind = request.WhichOneof("input")
@@ -55,9 +48,7 @@ def _prompt(request: generate_pb2.GenerateRequest, model: ModelConfig,
     ids = list(request.token_ids.ids)
     if not ids:
         raise InvalidRequest("token_ids is empty")
-    bad = next((i for i in ids if i >= model.vocab_size), None)
-    if bad is not None:
-        raise InvalidRequest(f"token id {bad} is outside the vocabulary (size {model.vocab_size})")
+    check_token_ids(ids, model.vocab_size)
     return ids
 
 
@@ -79,36 +70,24 @@ def validate(request: generate_pb2.GenerateRequest, model: ModelConfig, tokenize
                              f"exceeds max_model_len {model.max_model_len}")
     else:
         max_new = s.max_new_tokens
-    temperature = _finite("temperature", s.temperature)
-    if temperature < 0:
-        raise InvalidRequest(f"temperature must be >= 0, got {temperature}")
-    top_p = _finite("top_p", s.top_p)
-    if not 0.0 <= top_p <= 1.0:
-        raise InvalidRequest(f"top_p must be in [0, 1], got {top_p}")
-    if s.top_k > model.vocab_size:
-        raise InvalidRequest(f"top_k must be <= the vocabulary size {model.vocab_size}, got {s.top_k}")
-    min_p = _finite("min_p", s.min_p)
-    if not 0.0 <= min_p <= 1.0:
-        raise InvalidRequest(f"min_p must be in [0, 1], got {min_p}")
-    penalty = _finite("repetition_penalty", s.repetition_penalty)
-    if penalty < 0:
-        raise InvalidRequest(f"repetition_penalty must be > 0 (0 = off), got {penalty}")
     if len(s.stop) > max_stop_strings:
         raise InvalidRequest(f"at most {max_stop_strings} stop strings, got {len(s.stop)}")
     for stop in s.stop:
         if not stop or len(stop) > MAX_STOP_STRING_CHARS:
             raise InvalidRequest(f"stop strings must have 1 to {MAX_STOP_STRING_CHARS} characters")
-    bad_stop = next((t for t in s.stop_token_ids if t >= model.vocab_size), None)
-    if bad_stop is not None:
-        raise InvalidRequest(f"stop token id {bad_stop} is outside the vocabulary")
+    check_token_ids(s.stop_token_ids, model.vocab_size, "stop token id")
     stop_ids = set(s.stop_token_ids)
     if not s.ignore_eos:
         stop_ids.update(model.eos_token_ids)
     seed = s.seed if s.HasField("seed") else int.from_bytes(os.urandom(8), "little")
+    if s.top_p < 0 or s.repetition_penalty < 0:  # before 0 turns into "off"
+        raise InvalidRequest("top_p must be in [0, 1] and repetition_penalty > 0 (0 = off); got "
+                             f"{s.top_p} and {s.repetition_penalty}")
     params = SamplingParams(
-        max_new_tokens=max_new, temperature=temperature, top_p=top_p or 1.0, top_k=s.top_k,
-        min_p=min_p, repetition_penalty=penalty or 1.0, seed=seed,
+        max_new_tokens=max_new, temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
+        min_p=s.min_p, repetition_penalty=s.repetition_penalty or 1.0, seed=seed,
         stop_token_ids=tuple(sorted(stop_ids)))
+    check_sampling(params, model.vocab_size)
     request_id = request.request_id or uuid.uuid4().hex
     return GenerationJob(request_id=request_id, prompt_ids=prompt, params=params, stop_strings=tuple(s.stop),
                          stream=request.stream)

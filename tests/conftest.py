@@ -183,7 +183,7 @@ class RoleProcesses:
         assert not any(leaked.values()), f"pages leaked: {leaked}"
 
 
-def _wait_serving(address: str, process: subprocess.Popen, timeout_s: float = 60) -> None:
+def wait_serving(address: str, process: subprocess.Popen, timeout_s: float = 60) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout_s
@@ -227,7 +227,7 @@ def start_roles(roles: list[str], discovery: bool = False, router_flags: list[st
         processes[name] = subprocess.Popen([sys.executable, "-m", "pdserve", role, "--port",
                                             str(port), *ENGINE_FLAGS, *role_flags[role]])
     for name, process in processes.items():
-        _wait_serving(addresses[name], process)
+        wait_serving(addresses[name], process)
     port = free_port()
     router = f"127.0.0.1:{port}"
     processes["router"] = subprocess.Popen([
@@ -236,5 +236,5 @@ def start_roles(roles: list[str], discovery: bool = False, router_flags: list[st
         *_worker_flags(addresses, "prefill", discovery), *_worker_flags(addresses, "decode", discovery),
         *(router_flags or [])])
     health_port = _flag(router_flags or [], "--health-port")
-    _wait_serving(f"127.0.0.1:{health_port}" if health_port else router, processes["router"])
+    wait_serving(f"127.0.0.1:{health_port}" if health_port else router, processes["router"])
     return RoleProcesses(router, processes, addresses)

@@ -1,11 +1,13 @@
 """Finished, cancelled, timed-out and abandoned requests return every KV page on both workers."""
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import grpc
 import pytest
-from conftest import generate
+from conftest import free_port, generate, wait_serving
 
 from protos.pdserve.v1 import decode_pb2, decode_pb2_grpc, generate_pb2
 
@@ -115,10 +117,17 @@ def test_overload_is_resource_exhausted_and_leaks_nothing(cluster):
     assert cluster.wait_free_pages(before) == before
 
 
-def test_reservation_larger_than_pool_is_resource_exhausted(cluster):
-    with grpc.insecure_channel(cluster.workers["decode"][0]) as ch:
-        with pytest.raises(grpc.RpcError) as info:
-            decode_pb2_grpc.DecodeServiceStub(ch).Reserve(
-                decode_pb2.ReserveRequest(request_id="huge", prompt_len=4000, max_new_tokens=1000),
-                timeout=5)
-    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+def test_reservation_larger_than_pool_is_resource_exhausted():
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "pdserve", "decode", "--port", str(port),
+                                "--model", "tiny", "--page-size", "4", "--num-pages", "64"])
+    try:
+        wait_serving(f"127.0.0.1:{port}", process)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            with pytest.raises(grpc.RpcError) as info:   # fits the context, not the pool
+                decode_pb2_grpc.DecodeServiceStub(ch).Reserve(decode_pb2.ReserveRequest(
+                    request_id="huge", prompt_len=1000, max_new_tokens=100), timeout=5)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        process.terminate()
+        process.wait(30)

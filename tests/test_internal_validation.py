@@ -1,0 +1,73 @@
+"""Internal services check what they are sent: a bad internal request fails alone, with
+INVALID_ARGUMENT, and never takes its batch down."""
+from __future__ import annotations
+
+import grpc
+import pytest
+from conftest import generate
+
+from protos.pdserve.v1 import (
+    decode_pb2,
+    decode_pb2_grpc,
+    generate_pb2,
+    prefill_pb2,
+    prefill_pb2_grpc,
+    worker_pb2,
+)
+
+
+def _decode(cluster) -> decode_pb2_grpc.DecodeServiceStub:  # noqa: ANN001
+    return decode_pb2_grpc.DecodeServiceStub(grpc.insecure_channel(cluster.workers["decode"][0]))
+
+
+def test_reserve_beyond_the_context_is_refused(cluster):
+    with pytest.raises(grpc.RpcError) as info:
+        _decode(cluster).Reserve(decode_pb2.ReserveRequest(
+            request_id="too-long", prompt_len=10, max_new_tokens=50000), timeout=5)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_model_len" in info.value.details()
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(sampling=worker_pb2.WorkerSampling(max_new_tokens=500, top_p=1.0,
+                                             repetition_penalty=1.0)), "exceeds the"),
+    (dict(first_token_id=99999), "outside the vocabulary"),
+    (dict(prompt_token_ids=[1, 2]), "prompt token ids for a reservation"),
+    (dict(sampling=worker_pb2.WorkerSampling(max_new_tokens=4, top_p=1.0,
+                                             repetition_penalty=float("nan"))), "finite"),
+], ids=["more tokens than reserved", "token outside vocab", "wrong prompt", "nan penalty"])
+def test_decode_that_does_not_fit_its_reservation_is_refused(cluster, change, message):
+    decode = _decode(cluster)
+    request_id = f"direct-{message}"
+    decode.Reserve(decode_pb2.ReserveRequest(request_id=request_id, prompt_len=4,
+                                             max_new_tokens=8), timeout=5)
+    try:
+        fields = dict(request_id=request_id, first_token_id=5, prompt_token_ids=[1, 2, 3, 4],
+                      sampling=worker_pb2.WorkerSampling(max_new_tokens=4, top_p=1.0,
+                                                         repetition_penalty=1.0))
+        with pytest.raises(grpc.RpcError) as info:
+            list(decode.Decode(decode_pb2.DecodeRequest(**{**fields, **change}), timeout=5))
+        assert info.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND)
+        assert message in info.value.details() or "not" in info.value.details()
+    finally:
+        decode.Release(decode_pb2.ReleaseRequest(request_id=request_id), timeout=5)
+    # The cluster still serves.
+    ids = generate(cluster.stub(), token_ids=generate_pb2.TokenIds(ids=[1, 2, 3]),
+                   sampling=generate_pb2.SamplingParams(max_new_tokens=3, ignore_eos=True))[0]
+    assert len(ids) == 3
+
+
+def test_prefill_checks_token_ids_and_sampling(cluster):
+    prefill = prefill_pb2_grpc.PrefillServiceStub(
+        grpc.insecure_channel(cluster.workers["prefill"][0]))
+    for request in (
+            prefill_pb2.PrefillRequest(request_id="p1", prompt_token_ids=[1, 99999],
+                                       sampling=worker_pb2.WorkerSampling(
+                                           max_new_tokens=1, top_p=1.0, repetition_penalty=1.0)),
+            prefill_pb2.PrefillRequest(request_id="p2", prompt_token_ids=[1, 2],
+                                       sampling=worker_pb2.WorkerSampling(
+                                           max_new_tokens=1, top_p=1.0, top_k=10**6,
+                                           repetition_penalty=1.0))):
+        with pytest.raises(grpc.RpcError) as info:
+            prefill.Prefill(request, timeout=5)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
