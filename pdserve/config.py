@@ -124,6 +124,8 @@ class LauncherConfig:
     decode: int = setting(1, "decode workers")
     no_metrics: bool = setting(False, "start no metrics exporters")
     ready_timeout_s: float = setting(600.0, "how long the cluster may take to become ready")
+    max_restarts: int = setting(5, "times one process that dies is started again within 10 "
+                                "minutes before `up` stops everything (0: stop at the first death)")
     log_level: str = setting("INFO", "log level of every process",
                              choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     prefill_devices: list[str] = setting([], "cuda:0,cuda:1,...: devices of the prefill "

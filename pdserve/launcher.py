@@ -1,9 +1,11 @@
-"""`pdserve up`: a router and its workers as child processes on this host.
+"""`pdserve up`: a router and its workers as child processes on this host, supervised.
 
-Children are started with free ports, awaited until grpc.health.v1 says SERVING, and stopped
-together: on SIGINT/SIGTERM, when any child dies, or (through PR_SET_PDEATHSIG) when this
-process dies without cleaning up. Each child gets the settings of its role's config that differ
-from the defaults, as flags.
+Children are started with free ports and awaited until grpc.health.v1 says SERVING. A child
+that dies is started again on its port (the router serves through the other workers meanwhile,
+and takes the restarted one back once its health check passes); `up` stops everything on
+SIGINT/SIGTERM, when one child keeps dying (``--max-restarts`` within RESTART_WINDOW_S), or
+(through PR_SET_PDEATHSIG) when `up` itself dies. Each child gets the settings of its role's
+config that differ from the defaults, as flags.
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -24,6 +27,7 @@ from pdserve.config import DecodeConfig, EngineConfig, LauncherConfig, PrefillCo
 from pdserve.settings import from_args, to_argv
 
 STOP_GRACE_S = 10.0
+RESTART_WINDOW_S = 600.0
 # Router settings `up` sets itself.
 ROUTER_SET_BY_LAUNCHER = ("model", "prefill_addrs", "decode_addrs", "prefill_discovery",
                           "decode_discovery")
@@ -66,7 +70,17 @@ class Child:
     role: str
     address: str
     metrics_url: str
+    command: list[str]
     process: subprocess.Popen
+    restarted_at: list[float] = field(default_factory=list)
+
+    def restart(self) -> None:
+        self.restarted_at.append(time.monotonic())
+        self.process = subprocess.Popen(self.command, preexec_fn=_die_with_parent)
+
+    def recent_restarts(self) -> int:
+        since = time.monotonic() - RESTART_WINDOW_S
+        return sum(1 for t in self.restarted_at if t > since)
 
 
 def free_port(host: str) -> int:
@@ -88,7 +102,7 @@ def _start(role: str, host: str, port: int, metrics: bool, extra: list[str],
            "--metrics-port", str(metrics_port), "--log-level", log_level, *extra]
     process = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
     url = f"http://{host}:{metrics_port}/metrics" if metrics else "-"
-    return Child(role, f"{host}:{port}", url, process)
+    return Child(role, f"{host}:{port}", url, cmd, process)
 
 
 def _wait_serving(child: Child, deadline: float, stopping: list[bool]) -> None:
@@ -124,6 +138,36 @@ def _stop_all(children: list[Child]) -> None:
             child.process.wait()
 
 
+def _supervise(children: list[Child], launcher: LauncherConfig, stopping: list[bool]) -> int:
+    """Restarts children that die until asked to stop (returns 0), or until one has died more
+    than --max-restarts times within RESTART_WINDOW_S (returns 1)."""
+    while not stopping[0]:
+        for child in children:
+            if child.process.poll() is None:
+                continue
+            exited = f"pdserve: {child.role} {child.address} exited with code " \
+                     f"{child.process.returncode}"
+            if child.recent_restarts() >= launcher.max_restarts:
+                print(f"{exited}; stopping (--max-restarts {launcher.max_restarts})",
+                      file=sys.stderr, flush=True)
+                return 1
+            print(f"{exited}; restarting it", file=sys.stderr, flush=True)
+            child.restart()
+            threading.Thread(target=_report_restart, args=(child, launcher.ready_timeout_s,
+                                                           stopping), daemon=True).start()
+        time.sleep(0.2)
+    return 0
+
+
+def _report_restart(child: Child, timeout_s: float, stopping: list[bool]) -> None:
+    try:
+        _wait_serving(child, time.monotonic() + timeout_s, stopping)
+    except (RuntimeError, TimeoutError, KeyboardInterrupt):
+        return  # the supervisor sees it die again, or `up` is stopping
+    print(f"{child.role:<8} grpc={child.address}  metrics={child.metrics_url}  "
+          f"pid={child.process.pid}  (restarted)", flush=True)
+
+
 def run_cluster(plan: ClusterPlan) -> int:
     stopping = [False]
 
@@ -156,14 +200,7 @@ def run_cluster(plan: ClusterPlan) -> int:
                   f"pid={child.process.pid}", flush=True)
         print(f"pdserve ready: router on {router.address} (model {plan.engine.model}, "
               f"{launcher.prefill} prefill, {launcher.decode} decode)", flush=True)
-        while not stopping[0]:
-            dead = next((c for c in children if c.process.poll() is not None), None)
-            if dead is not None:
-                print(f"pdserve: {dead.role} {dead.address} exited with code "
-                      f"{dead.process.returncode}; stopping", file=sys.stderr, flush=True)
-                code = 1
-                break
-            time.sleep(0.2)
+        code = _supervise(children, launcher, stopping)
     except KeyboardInterrupt:
         pass
     except (RuntimeError, TimeoutError) as err:

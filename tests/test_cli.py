@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 
 import pytest
-from conftest import start_cluster, stop_cluster
+from conftest import generate, start_cluster, stop_cluster
+
+from protos.pdserve.v1 import generate_pb2
 
 
 def _alive(pid: int) -> bool:
@@ -45,8 +48,8 @@ def test_up_prints_every_process_and_stops_them_all(sig):
             cluster.process.kill()
 
 
-def test_up_stops_everything_when_a_worker_dies():
-    cluster = start_cluster()
+def test_up_stops_everything_when_restarts_are_off():
+    cluster = start_cluster(["--max-restarts", "0"])
     try:
         os.kill(cluster.pids["decode0"], signal.SIGKILL)
         assert cluster.process.wait(30) == 1
@@ -54,6 +57,34 @@ def test_up_stops_everything_when_a_worker_dies():
     finally:
         if cluster.process.poll() is None:
             cluster.process.kill()
+
+
+def test_up_restarts_a_dead_worker_on_its_port_and_keeps_serving():
+    """Two decode workers: one is killed; requests keep succeeding through the other, and the
+    dead one comes back on its own address and serves again."""
+    cluster = start_cluster(["--decode", "2"])
+    try:
+        killed_address = cluster.workers["decode"][0]
+        os.kill(cluster.pids["decode0"], signal.SIGKILL)
+        for _ in range(4):   # meanwhile, the router serves through decode1
+            ids = generate(cluster.stub(), token_ids=generate_pb2.TokenIds(ids=[1, 2, 3]),
+                           sampling=generate_pb2.SamplingParams(max_new_tokens=3,
+                                                                ignore_eos=True))[0]
+            assert len(ids) == 3
+        for line in cluster.process.stdout:   # `up` says when it is back
+            if "(restarted)" in line:
+                assert f"grpc={killed_address}" in line
+                new_pid = int(re.search(r"pid=(\d+)", line)[1])
+                break
+        assert new_pid != cluster.pids["decode0"] and _alive(new_pid)
+        cluster.pids["decode0"] = new_pid
+        deadline = time.monotonic() + 30
+        while cluster.worker_info("decode", 0).role != "decode":
+            assert time.monotonic() < deadline
+        assert cluster.leaked_pages() == dict.fromkeys(cluster.leaked_pages(), 0)
+    finally:
+        assert stop_cluster(cluster) == 0
+        assert _wait_dead(cluster.pids.values()) == []
 
 
 def test_workers_die_with_a_killed_launcher():
