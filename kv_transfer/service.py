@@ -22,7 +22,7 @@ from kv_transfer import (
 from kv_transfer.base import Receiver, TransferSink
 from kv_transfer.grpc_engine import GrpcReceiver
 from pdserve.errors import LayoutMismatch
-from pdserve.grpc_util import map_errors
+from pdserve.grpc_util import map_errors, parsed
 from pdserve.kvcache.pool import KVPool
 from pdserve.proto_convert import layout_from_proto
 from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
@@ -95,7 +95,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
                          ) -> kv_transfer_pb2.WritePagesResponse:
         written = 0
         async for chunk in request_iterator:
-            written += self._grpc.write(chunk)
+            written += self._grpc.write(parsed(chunk))
         self._on_bytes(written)
         return kv_transfer_pb2.WritePagesResponse(bytes_written=written)
 

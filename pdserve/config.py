@@ -111,6 +111,9 @@ class RouterConfig:
     discovery_interval_s: float = setting(5.0, "how often dns: sources are re-resolved")
     default_max_new_tokens: int = setting(16, "tokens generated when a request does not say")
     max_stop_strings: int = setting(16, "most stop strings a request may carry")
+    max_request_bytes: int = setting(8 << 20, "largest Generate request accepted, in bytes "
+                                     "(refused before it is parsed: 8 MiB holds 4 MB of text or "
+                                     "1M token ids)")
 
 
 @dataclass

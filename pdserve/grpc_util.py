@@ -11,7 +11,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdserve.errors import PdserveError
+from pdserve.errors import InvalidRequest, PdserveError
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,42 @@ def channel(address: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
 
 
+class MalformedRequest:
+    """What a request that does not parse becomes: ``map_errors`` answers it INVALID_ARGUMENT
+    (grpc would log a traceback and answer UNKNOWN)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _lenient(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as err:  # noqa: BLE001 - any parse failure is the caller's mistake
+            return MalformedRequest(err)
+    return parse
+
+
+class _LenientRegistrar:
+    """Stands in for a grpc server while generated ``add_*_to_server`` code registers a
+    service: the same handlers, with requests that do not parse turned into MalformedRequest."""
+
+    def __init__(self, server: grpc.aio.Server) -> None:
+        self.server = server
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        """Ignored: the same handlers come again, by name, below."""
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        handlers = {name: handler._replace(
+            request_deserializer=_lenient(handler.request_deserializer))
+            for name, handler in handlers.items()}
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service,
+                                                                                   handlers),))
+        self.server.add_registered_method_handlers(service, handlers)
+
+
 class Server:
     """A grpc.aio server on one port with grpc.health.v1 and reflection.
 
@@ -40,8 +76,12 @@ class Server:
     """
 
     def __init__(self, host: str, port: int, tls_cert_file: str = "", tls_key_file: str = "",
-                 health_port: int = -1) -> None:
-        self.grpc = grpc.aio.server(options=CHANNEL_OPTIONS)
+                 health_port: int = -1, max_receive_bytes: int = MAX_MESSAGE_BYTES) -> None:
+        # A request larger than ``max_receive_bytes`` is refused (RESOURCE_EXHAUSTED) by gRPC
+        # itself, before it is parsed.
+        self.grpc = grpc.aio.server(options=[
+            *(o for o in CHANNEL_OPTIONS if o[0] != "grpc.max_receive_message_length"),
+            ("grpc.max_receive_message_length", max_receive_bytes)])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         self._service_names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
@@ -65,9 +105,9 @@ class Server:
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
             self.health_port = self.health_server.add_insecure_port(f"{host}:{health_port}")
 
-    def add(self, add_fn: Callable[[Any, grpc.aio.Server], None], servicer: Any,
+    def add(self, add_fn: Callable[[Any, Any], None], servicer: Any,
             descriptor_service_names: Iterable[str]) -> None:
-        add_fn(servicer, self.grpc)
+        add_fn(servicer, _LenientRegistrar(self.grpc))
         self._service_names.extend(descriptor_service_names)
 
     async def start(self) -> None:
@@ -102,7 +142,7 @@ def map_errors(handler: Callable) -> Callable:
         @functools.wraps(handler)
         async def unary(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
-                return await handler(self, request, context)
+                return await handler(self, parsed(request), context)
             except PdserveError as err:
                 await context.abort(err.code, str(err))
         return unary
@@ -110,11 +150,19 @@ def map_errors(handler: Callable) -> Callable:
     @functools.wraps(handler)
     async def streaming(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator:
         try:
-            async for item in handler(self, request, context):
+            async for item in handler(self, parsed(request), context):
                 yield item
         except PdserveError as err:
             await context.abort(err.code, str(err))
     return streaming
+
+
+def parsed(request: Any) -> Any:
+    """``request``, or InvalidRequest if it did not parse (servicers not under map_errors, and
+    each message of a request stream, pass what they receive through this)."""
+    if isinstance(request, MalformedRequest):
+        raise InvalidRequest(f"malformed request: {request.error}")
+    return request
 
 
 def time_remaining(context: grpc.aio.ServicerContext) -> float | None:

@@ -7,7 +7,7 @@ import signal
 import socket
 
 from pdserve.config import ServerConfig
-from pdserve.grpc_util import Server
+from pdserve.grpc_util import MAX_MESSAGE_BYTES, Server
 from pdserve.metrics import RoleMetrics
 
 log = logging.getLogger("pdserve")
@@ -17,9 +17,9 @@ def setup_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def make_server(config: ServerConfig) -> Server:
+def make_server(config: ServerConfig, max_receive_bytes: int = MAX_MESSAGE_BYTES) -> Server:
     return Server(config.host, config.port, config.tls_cert_file, config.tls_key_file,
-                  config.health_port)
+                  config.health_port, max_receive_bytes)
 
 
 def worker_id(config: ServerConfig, role: str, port: int) -> str:

@@ -10,7 +10,7 @@ import grpc
 
 from pdserve.config import RouterConfig
 from pdserve.errors import NoHealthyWorker, PdserveError, UpstreamError
-from pdserve.grpc_util import map_errors, time_remaining
+from pdserve.grpc_util import map_errors, parsed, time_remaining
 from pdserve.metrics import RouterMetrics
 from pdserve.models.config import ModelConfig
 from pdserve.models.presets import model_config
@@ -31,6 +31,7 @@ FINISH = {None: generate_pb2.FINISH_REASON_UNSPECIFIED, "length": generate_pb2.F
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
              grpc.StatusCode.ABORTED}
 MAX_ATTEMPTS = 3
+INLINE_VALIDATION_BYTES = 64 << 10   # larger requests are validated off the event loop
 MAX_RECOVERIES = 2   # times a request may move to another pair after losing its decode worker
 
 
@@ -72,8 +73,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
         outcome = "error"
         self.metrics.running.inc()
         try:
-            job = validate(request, self.model, self.tokenizer, self.config.default_max_new_tokens,
-                           self.config.max_stop_strings)
+            job = await self._validate(parsed(request))
             chunks = self._generate(job, context, started)
             if job.stream:
                 async for chunk in chunks:
@@ -99,6 +99,15 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
         finally:
             self.metrics.running.dec()
             self.metrics.request_done(outcome)
+
+    async def _validate(self, request: generate_pb2.GenerateRequest) -> GenerationJob:
+        """The checked job; a large request is tokenized and checked on a thread, so the event
+        loop keeps serving everyone else meanwhile."""
+        args = (request, self.model, self.tokenizer, self.config.default_max_new_tokens,
+                self.config.max_stop_strings)
+        if request.ByteSize() > INLINE_VALIDATION_BYTES:
+            return await asyncio.to_thread(validate, *args)
+        return validate(*args)
 
     def _response(self, job: GenerationJob, chunk: Chunk) -> generate_pb2.GenerateResponse:
         response = generate_pb2.GenerateResponse(request_id=job.request_id, token_ids=chunk.token_ids,
@@ -218,7 +227,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
 async def serve(config: RouterConfig) -> None:
     model = model_config(config.model)
     tokenizer = load_tokenizer(config.model)
-    server = make_server(config.server)
+    server = make_server(config.server, max_receive_bytes=config.max_request_bytes)
     metrics = RouterMetrics(worker_id(config.server, "router", server.port))
     workers = WorkerPool({"prefill": config.prefill_addrs + config.prefill_discovery,
                           "decode": config.decode_addrs + config.decode_discovery}, model,

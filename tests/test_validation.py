@@ -64,3 +64,24 @@ def test_model_info(cluster):
     info = cluster.stub().GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=5)
     assert (info.model, info.vocab_size, info.max_model_len) == ("tiny", 258, 2048)
     assert (info.prefill_workers, info.decode_workers) == (1, 1)
+
+
+def test_a_malformed_message_is_invalid_argument(cluster):
+    with cluster.channel() as ch:
+        call = ch.unary_stream("/pdserve.v1.GenerationService/Generate")
+        with pytest.raises(grpc.RpcError) as info:
+            list(call(b"\xff\xff\xff\xff", timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "malformed request" in info.value.details()
+
+
+def test_a_request_over_the_size_limit_is_refused_before_parsing(cluster):
+    huge = generate_pb2.GenerateRequest(token_ids=IDS(ids=[200] * (5 << 20)))   # 10 MiB
+    with pytest.raises(grpc.RpcError) as info:
+        list(cluster.stub().Generate(huge, timeout=30))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # A large request under the limit is refused for its length, the cluster serving meanwhile.
+    with pytest.raises(grpc.RpcError) as info:
+        generate(cluster.stub(), text="x" * (4 << 20))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(generate(cluster.stub(), text="still here")[0]) > 0
