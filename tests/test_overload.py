@@ -39,7 +39,9 @@ def test_a_burst_longer_than_the_lease_completes(tiny_runner):
 
 
 def test_a_prompt_that_cannot_start_in_time_is_resource_exhausted():
-    cluster = start_roles(["prefill", "decode"], prefill_flags=["--max-queue-wait-s", "0.05"])
+    # A prefill pool that holds one of these prompts at a time: the others queue for pages.
+    cluster = start_roles(["prefill", "decode"], prefill_flags=["--max-queue-wait-s", "0.05",
+                                                                "--num-pages", "240"])
     try:
         prompts = [[5] * 900 for _ in range(8)]
         codes, details = [], []
