@@ -11,7 +11,7 @@ import grpc
 import torch
 
 from kv_transfer.base import Peer, Receiver, Sender, TransferSink
-from pdserve.errors import InvalidRequest, TransferFailed
+from pdserve.errors import ANSWERED, InvalidRequest, TransferFailed
 from pdserve.kvcache.pool import KVPool
 from protos.pdserve.v1 import kv_transfer_pb2
 
@@ -52,7 +52,8 @@ class GrpcSender(Sender):
             await remote.stub.WritePages(chunks(), timeout=timeout_s)
         except grpc.aio.AioRpcError as err:
             raise TransferFailed(f"KV transfer to {remote.address} failed: "
-                                 f"{err.code().name}: {err.details()}") from err
+                                 f"{err.code().name}: {err.details()}",
+                                 peer_answered=err.code() in ANSWERED) from err
         if failure is not None:
             raise TransferFailed(f"reading pages for {request_id}: {failure}") from failure
 

@@ -12,7 +12,7 @@ import grpc
 
 from kv_transfer import create_sender, gpu_uuid, host_identity, usable_engines, visible_gpu_uuids
 from kv_transfer.base import KVTarget, Peer, Sender
-from pdserve.errors import LayoutMismatch, TransferFailed
+from pdserve.errors import ANSWERED, LayoutMismatch, PdserveError, TransferFailed
 from pdserve.grpc_util import channel
 from pdserve.kvcache.pool import KVPool
 from pdserve.proto_convert import layout_to_proto
@@ -53,7 +53,8 @@ class DecodeLink:
             return await getattr(self.peer.stub, method)(request, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as err:
             raise TransferFailed(f"KV transfer to {self.peer.address} failed: "
-                                 f"{err.code().name}: {err.details()}") from err
+                                 f"{err.code().name}: {err.details()}",
+                                 peer_answered=err.code() in ANSWERED) from err
 
 
 class DecodeLinks:
@@ -78,6 +79,12 @@ class DecodeLinks:
             self._links[address] = attempt
         return await asyncio.shield(attempt)
 
+    def forget(self, address: str, link: DecodeLink) -> None:
+        """Drops ``link`` after a failed hand-off (its decode worker may have restarted, with
+        a new pool or agent): the next request to ``address`` hand-shakes again."""
+        if self.ready(address) is link:
+            del self._links[address]
+
     def ready(self, address: str) -> DecodeLink | None:
         """The link to ``address`` if it is made already (without waiting)."""
         attempt = self._links.get(address)
@@ -100,8 +107,14 @@ class DecodeLinks:
             raise TransferFailed(f"handshake with {address}: {err.details()}") from err
         log.info("KV transfer to %s: %r engine (%s)", address, reply.engine, reply.reason)
         peer = Peer(address, stub, reply.engine_metadata, reply.host, reply.gpu_uuid)
-        sender = self._sender(reply.engine)
-        remote = await sender.connect(peer)
+        try:
+            sender = self._sender(reply.engine)
+            remote = await sender.connect(peer)
+        except PdserveError:
+            raise
+        except Exception as err:  # noqa: BLE001 - an engine's own errors, told as ours
+            raise TransferFailed(f"connecting the {reply.engine} engine to {address}: "
+                                 f"{type(err).__name__}: {err}") from err
         return DecodeLink(peer, reply.engine, sender, remote, self.timeout_s,
                           reply.lease_timeout_s)
 

@@ -33,6 +33,11 @@ class LayoutMismatch(PdserveError):
 class RequestAborted(PdserveError):
     code = grpc.StatusCode.ABORTED
 
+    def __init__(self, message: str, peer_answered: bool = False) -> None:
+        super().__init__(message)
+        # The decode worker answered (say, NOT_FOUND): the request failed, the link is sound.
+        self.peer_answered = peer_answered
+
 
 class TransferFailed(PdserveError):
     """A request's KV hand-off failed: the request fails, its workers stay healthy (the router
@@ -40,6 +45,10 @@ class TransferFailed(PdserveError):
 
     code = grpc.StatusCode.ABORTED
 
+
+ANSWERED = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT,
+                      grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED})
+"""gRPC codes by which a peer answers a request it refuses (as opposed to not answering)."""
 
 # The codes of the public API; a worker's other codes reach a client as UNAVAILABLE.
 PUBLIC_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from kv_transfer.base import KVTarget, LayerwiseSender, PageWrite
 from kv_transfer.link import DecodeLink, DecodeLinks
+from pdserve.errors import TransferFailed
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,16 @@ class Handoff:
         worker may start (the pages are in its pool)."""
         started = time.perf_counter()
         link = await self.links.get(self.target.address)
+        try:
+            mode = await self._move(link, src_pages)
+        except TransferFailed as err:
+            if not err.peer_answered:   # the worker or its engine failed: link again next time
+                self.links.forget(self.target.address, link)
+            raise
+        return HandoffResult(link.engine, mode, len(src_pages) * self.links.pool.bytes_per_page,
+                             time.perf_counter() - started)
+
+    async def _move(self, link: DecodeLink, src_pages: list[int]) -> str:
         request_id = self.target.request_id
         if self.write is not None:
             await self.write.wait(link.timeout_s)
@@ -90,8 +101,7 @@ class Handoff:
         else:
             await link.send(self.target, src_pages, self.num_tokens)
             mode = "after_prefill"
-        return HandoffResult(link.engine, mode, len(src_pages) * self.links.pool.bytes_per_page,
-                             time.perf_counter() - started)
+        return mode
 
     async def _report_landed(self, link: DecodeLink) -> None:
         try:
