@@ -19,6 +19,7 @@ from pdserve.grpc_util import Server, map_errors
 from pdserve.metrics import DecodeMetrics
 from pdserve.proto_convert import sampling_from_proto, worker_info
 from pdserve.sampling_params import SamplingParams, check_sampling, check_token_ids
+from pdserve.security import Identity
 from pdserve.serving import (
     advertised_address,
     make_server,
@@ -43,8 +44,9 @@ FINISH_REASONS = {"length": generate_pb2.FINISH_REASON_LENGTH,
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     def __init__(self, runner: ModelRunner, table: ReservationTable, loop: DecodeLoop,
-                 address: str, worker: str, engines: list[str]) -> None:
+                 address: str, worker: str, engines: list[str], identity: Identity) -> None:
         self.runner = runner
+        self.identity = identity
         self.engines = engines
         self.table = table
         self.loop = loop
@@ -63,6 +65,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         res = await self.table.reserve(request.request_id, request.prompt_len,
                                        request.max_new_tokens)
         target = KVTarget(self.address, request.request_id, res.pages[:res.prompt_pages])
+        target.signature = self.identity.sign(*target.signed_parts)
         return decode_pb2.ReserveResponse(kv_target=target.to_proto())
 
     @map_errors
@@ -129,8 +132,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
 
 async def serve(config: DecodeConfig) -> None:
+    identity = Identity.from_config(config.server)
     runner = ModelRunner(config.engine, "decode")
-    server = make_server(config.server)
+    server = make_server(config.server, identity)
     worker = worker_id(config.server, "decode", server.port)
     metrics = DecodeMetrics(worker)
     engines = offered_engines(config.kv_transfer, runner.device.type == "cuda")
@@ -144,10 +148,10 @@ async def serve(config: DecodeConfig) -> None:
     # own so a NetworkPolicy can open it to prefill pods alone.
     transfer_server = server
     if config.kv_transfer_port >= 0:
-        transfer_server = Server(config.server.host, config.kv_transfer_port)
+        transfer_server = Server(config.server.host, config.kv_transfer_port, identity)
     servicer = DecodeServicer(runner, table, loop,
                               advertised_address(config.server, transfer_server.port), worker,
-                              engines)
+                              engines, identity)
     transfer_servicer = KVTransferServicer(runner.pool, table, config.kv_transfer,
                                            metrics.transfer_bytes.inc)
     if config.kv_transfer != "auto":

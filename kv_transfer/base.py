@@ -23,14 +23,19 @@ class KVTarget:
     address: str            # the decode worker's KVTransferService
     request_id: str
     page_ids: list[int]
+    signature: bytes = b""  # by the decode worker (pdserve.security.Identity.sign)
+
+    @property
+    def signed_parts(self) -> tuple[object, ...]:
+        return self.address, self.request_id, ",".join(map(str, self.page_ids))
 
     def to_proto(self) -> worker_pb2.KVTarget:
         return worker_pb2.KVTarget(address=self.address, request_id=self.request_id,
-                                   page_ids=self.page_ids)
+                                   page_ids=self.page_ids, signature=self.signature)
 
     @classmethod
     def from_proto(cls, msg: worker_pb2.KVTarget) -> KVTarget:
-        return cls(msg.address, msg.request_id, list(msg.page_ids))
+        return cls(msg.address, msg.request_id, list(msg.page_ids), msg.signature)
 
 
 @dataclass

@@ -15,6 +15,7 @@ from kv_transfer.base import KVTarget, Peer, Sender
 from pdserve.errors import ANSWERED, LayoutMismatch, PdserveError, TransferFailed
 from pdserve.grpc_util import channel
 from pdserve.kvcache.pool import KVPool
+from pdserve.security import Identity
 from pdserve.proto_convert import layout_to_proto
 from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
@@ -61,8 +62,9 @@ class DecodeLinks:
     """Every link of one prefill worker, made once per decode address: concurrent requests
     share one attempt, and a failed attempt is retried by the next request."""
 
-    def __init__(self, pool: KVPool, timeout_s: float) -> None:
+    def __init__(self, pool: KVPool, timeout_s: float, identity: Identity | None = None) -> None:
         self.pool = pool
+        self.identity = identity
         self.timeout_s = timeout_s
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._links: dict[str, asyncio.Task] = {}     # address -> the attempt to link
@@ -141,7 +143,7 @@ class DecodeLinks:
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = channel(address)
+            self._channels[address] = channel(address, self.identity)
         return self._channels[address]
 
     def _sender(self, engine: str) -> Sender:

@@ -50,8 +50,17 @@ class ServerConfig:
     metrics_port: int = setting(-1, "Prometheus exporter port (0: any free port, -1: none)")
     advertise_host: str = setting("", "host other processes reach this one at (default: --host)")
     worker_id: str = setting("", "name in logs and metrics labels (default: role-host-port)")
-    tls_cert_file: str = setting("", "serve gRPC over TLS with this certificate (PEM)")
+    tls_cert_file: str = setting("", "serve gRPC over TLS with this certificate (PEM); with "
+                                 "--tls-ca-file also this process's identity to its peers")
     tls_key_file: str = setting("", "the certificate's key (PEM)")
+    tls_ca_file: str = setting("", "CA (PEM) for mutual TLS between pdserve processes: workers "
+                               "accept only clients with a certificate it signed, and every "
+                               "internal call verifies its peer with it")
+    tls_server_name: str = setting("", "name peers' certificates carry (default: the host "
+                                   "dialled), e.g. one name for every pod")
+    internal_token_file: str = setting("", "file holding a secret every internal call carries "
+                                       "and every worker checks (it also signs KV targets); "
+                                       "`pdserve up` makes one")
     health_port: int = setting(-1, "also serve grpc.health.v1 alone, in plaintext, on this "
                                "port (for probes that cannot speak TLS; -1: no)")
     shutdown_grace_s: float = setting(5.0, "on SIGTERM, how long in-flight calls may take")
@@ -131,6 +140,10 @@ class LauncherConfig:
                                 "minutes before `up` stops everything (0: stop at the first death)")
     log_level: str = setting("INFO", "log level of every process",
                              choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    tls: bool = setting(False, "mutual TLS between every process (a CA and a certificate made "
+                        "for this cluster); the router's public port serves TLS too")
+    internal_token_file: str = setting("", "the secret internal calls carry (default: a new "
+                                       "random one for this cluster)")
     prefill_devices: list[str] = setting([], "cuda:0,cuda:1,...: devices of the prefill "
                                          "workers, in turn (default: --device)", metavar="DEVS")
     decode_devices: list[str] = setting([], "as --prefill-devices, for the decode workers",

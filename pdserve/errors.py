@@ -30,13 +30,12 @@ class LayoutMismatch(PdserveError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class NotPermitted(PdserveError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class RequestAborted(PdserveError):
     code = grpc.StatusCode.ABORTED
-
-    def __init__(self, message: str, peer_answered: bool = False) -> None:
-        super().__init__(message)
-        # The decode worker answered (say, NOT_FOUND): the request failed, the link is sound.
-        self.peer_answered = peer_answered
 
 
 class TransferFailed(PdserveError):
@@ -44,6 +43,11 @@ class TransferFailed(PdserveError):
     tries another pair, and answers UNAVAILABLE if none works)."""
 
     code = grpc.StatusCode.ABORTED
+
+    def __init__(self, message: str, peer_answered: bool = False) -> None:
+        super().__init__(message)
+        # The decode worker answered (say, NOT_FOUND): the request failed, the link is sound.
+        self.peer_answered = peer_answered
 
 
 ANSWERED = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT,

@@ -12,6 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.errors import InvalidRequest, PdserveError
+from pdserve.security import Identity
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +29,9 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+def channel(address: str, identity: Identity | None = None) -> grpc.aio.Channel:
+    """A channel to another pdserve process, with ``identity``'s credentials if given."""
+    return (identity or Identity()).dial(address, CHANNEL_OPTIONS)
 
 
 class MalformedRequest:
@@ -71,32 +73,35 @@ class _LenientRegistrar:
 class Server:
     """A grpc.aio server on one port with grpc.health.v1 and reflection.
 
-    With a certificate and key it serves TLS. ``health_port`` >= 0 adds a second, plaintext
-    server that answers only grpc.health.v1 (Kubernetes' gRPC probes cannot speak TLS).
+    With an identity that has a certificate it serves TLS (an ``internal`` server with a CA
+    requires client certificates, and with a token checks it on every call but health checks).
+    ``health_port`` >= 0 adds a second, plaintext server that answers only grpc.health.v1
+    (Kubernetes' gRPC probes cannot speak TLS).
     """
 
-    def __init__(self, host: str, port: int, tls_cert_file: str = "", tls_key_file: str = "",
-                 health_port: int = -1, max_receive_bytes: int = MAX_MESSAGE_BYTES) -> None:
+    def __init__(self, host: str, port: int, identity: Identity | None = None,
+                 internal: bool = True, health_port: int = -1,
+                 max_receive_bytes: int = MAX_MESSAGE_BYTES) -> None:
+        identity = identity or Identity()
         # A request larger than ``max_receive_bytes`` is refused (RESOURCE_EXHAUSTED) by gRPC
         # itself, before it is parsed.
-        self.grpc = grpc.aio.server(options=[
-            *(o for o in CHANNEL_OPTIONS if o[0] != "grpc.max_receive_message_length"),
-            ("grpc.max_receive_message_length", max_receive_bytes)])
+        self.grpc = grpc.aio.server(
+            interceptors=identity.server_interceptors(internal),
+            options=[*(o for o in CHANNEL_OPTIONS if o[0] != "grpc.max_receive_message_length"),
+                     ("grpc.max_receive_message_length", max_receive_bytes)])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         self._service_names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
         address = f"{host}:{port}"
-        if bool(tls_cert_file) != bool(tls_key_file):
-            raise ValueError("TLS needs both a certificate and a key file")
-        if tls_cert_file:
-            with open(tls_key_file, "rb") as key, open(tls_cert_file, "rb") as cert:
-                credentials = grpc.ssl_server_credentials([(key.read(), cert.read())])
+        credentials = identity.server_credentials(internal)
+        if credentials is not None:
             self.port = self.grpc.add_secure_port(address, credentials)
         else:
             self.port = self.grpc.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"cannot listen on {address}")
-        self.tls = bool(tls_cert_file)
+        self.tls = credentials is not None
+        self.mutual_tls = self.tls and internal and identity.mutual_tls
         self.host = host
         self.health_server: grpc.aio.Server | None = None
         self.health_port = -1

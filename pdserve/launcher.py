@@ -19,10 +19,12 @@ import sys
 import time
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.cluster_secrets import ClusterSecrets, make_secrets
 from pdserve.config import DecodeConfig, EngineConfig, LauncherConfig, PrefillConfig, RouterConfig
 from pdserve.settings import from_args, to_argv
 
@@ -96,17 +98,25 @@ def _die_with_parent() -> None:
 
 
 def _start(role: str, host: str, port: int, metrics: bool, extra: list[str],
-           log_level: str) -> Child:
+           log_level: str, secrets: ClusterSecrets) -> Child:
     metrics_port = free_port(host) if metrics else -1
     cmd = [sys.executable, "-m", "pdserve", role, "--host", host, "--port", str(port),
-           "--metrics-port", str(metrics_port), "--log-level", log_level, *extra]
+           "--metrics-port", str(metrics_port), "--log-level", log_level,
+           *secrets.server_flags(), *extra]
     process = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
     url = f"http://{host}:{metrics_port}/metrics" if metrics else "-"
     return Child(role, f"{host}:{port}", url, cmd, process)
 
 
-def _wait_serving(child: Child, deadline: float, stopping: list[bool]) -> None:
-    with grpc.insecure_channel(child.address) as channel:
+def _wait_serving(child: Child, deadline: float, stopping: list[bool],
+                  secrets: ClusterSecrets) -> None:
+    if secrets.ca_file:
+        credentials = grpc.ssl_channel_credentials(
+            *(Path(f).read_bytes() for f in (secrets.ca_file, secrets.key_file, secrets.cert_file)))
+        channel = grpc.secure_channel(child.address, credentials)
+    else:
+        channel = grpc.insecure_channel(child.address)
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             if child.process.poll() is not None:
@@ -138,7 +148,8 @@ def _stop_all(children: list[Child]) -> None:
             child.process.wait()
 
 
-def _supervise(children: list[Child], launcher: LauncherConfig, stopping: list[bool]) -> int:
+def _supervise(children: list[Child], launcher: LauncherConfig, stopping: list[bool],
+               secrets: ClusterSecrets) -> int:
     """Restarts children that die until asked to stop (returns 0), or until one has died more
     than --max-restarts times within RESTART_WINDOW_S (returns 1)."""
     while not stopping[0]:
@@ -154,14 +165,16 @@ def _supervise(children: list[Child], launcher: LauncherConfig, stopping: list[b
             print(f"{exited}; restarting it", file=sys.stderr, flush=True)
             child.restart()
             threading.Thread(target=_report_restart, args=(child, launcher.ready_timeout_s,
-                                                           stopping), daemon=True).start()
+                                                           stopping, secrets),
+                             daemon=True).start()
         time.sleep(0.2)
     return 0
 
 
-def _report_restart(child: Child, timeout_s: float, stopping: list[bool]) -> None:
+def _report_restart(child: Child, timeout_s: float, stopping: list[bool],
+                    secrets: ClusterSecrets) -> None:
     try:
-        _wait_serving(child, time.monotonic() + timeout_s, stopping)
+        _wait_serving(child, time.monotonic() + timeout_s, stopping, secrets)
     except (RuntimeError, TimeoutError, KeyboardInterrupt):
         return  # the supervisor sees it die again, or `up` is stopping
     print(f"{child.role:<8} grpc={child.address}  metrics={child.metrics_url}  "
@@ -181,26 +194,35 @@ def run_cluster(plan: ClusterPlan) -> int:
     children: list[Child] = []
     code = 0
     try:
+        secrets = make_secrets(launcher.internal_token_file, launcher.tls, host)
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as err:
+        print(f"pdserve: cannot make the cluster's secrets: {err}", file=sys.stderr, flush=True)
+        return 1
+    try:
         deadline = time.monotonic() + launcher.ready_timeout_s
         workers = []
         for role, count in (("prefill", launcher.prefill), ("decode", launcher.decode)):
             for i in range(count):
                 workers.append(_start(role, host, free_port(host), metrics,
-                                      plan.worker_argv(role, i), launcher.log_level))
+                                      plan.worker_argv(role, i), launcher.log_level, secrets))
         children.extend(workers)
         for child in workers:
-            _wait_serving(child, deadline, stopping)
+            _wait_serving(child, deadline, stopping, secrets)
         extra = plan.router_argv([c.address for c in workers if c.role == "prefill"],
                                  [c.address for c in workers if c.role == "decode"])
-        router = _start("router", host, launcher.port, metrics, extra, launcher.log_level)
+        router = _start("router", host, launcher.port, metrics, extra, launcher.log_level,
+                        secrets)
         children.append(router)
-        _wait_serving(router, deadline, stopping)
+        _wait_serving(router, deadline, stopping, secrets)
         for child in children:
             print(f"{child.role:<8} grpc={child.address}  metrics={child.metrics_url}  "
                   f"pid={child.process.pid}", flush=True)
+        if secrets.ca_file:
+            print(f"pdserve: mutual TLS between every process; clients trust {secrets.ca_file}",
+                  flush=True)
         print(f"pdserve ready: router on {router.address} (model {plan.engine.model}, "
               f"{launcher.prefill} prefill, {launcher.decode} decode)", flush=True)
-        code = _supervise(children, launcher, stopping)
+        code = _supervise(children, launcher, stopping, secrets)
     except KeyboardInterrupt:
         pass
     except (RuntimeError, TimeoutError) as err:
@@ -208,5 +230,6 @@ def run_cluster(plan: ClusterPlan) -> int:
         code = 1
     finally:
         _stop_all(children)
+        secrets.remove()
     print("pdserve stopped", flush=True)
     return code

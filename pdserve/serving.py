@@ -8,6 +8,7 @@ import socket
 
 from pdserve.config import ServerConfig
 from pdserve.grpc_util import MAX_MESSAGE_BYTES, Server
+from pdserve.security import Identity
 from pdserve.metrics import RoleMetrics
 
 log = logging.getLogger("pdserve")
@@ -17,9 +18,14 @@ def setup_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def make_server(config: ServerConfig, max_receive_bytes: int = MAX_MESSAGE_BYTES) -> Server:
-    return Server(config.host, config.port, config.tls_cert_file, config.tls_key_file,
-                  config.health_port, max_receive_bytes)
+def make_server(config: ServerConfig, identity: Identity, internal: bool = True,
+                max_receive_bytes: int = MAX_MESSAGE_BYTES) -> Server:
+    if internal and not identity.mutual_tls and not identity.token:
+        log.warning("internal calls to this worker are not authenticated: give it "
+                    "--internal-token-file, or --tls-ca-file with a certificate (`pdserve up` "
+                    "makes a token itself)")
+    return Server(config.host, config.port, identity, internal, config.health_port,
+                  max_receive_bytes)
 
 
 def worker_id(config: ServerConfig, role: str, port: int) -> str:
@@ -49,7 +55,8 @@ async def serve_until_signal(server: Server, role: str, metrics_url: str, grace_
     await server.start()
     if serving:
         await server.set_serving(True)
-    log.info("%s serving gRPC%s on %s:%d%s%s", role, " (TLS)" if server.tls else "",
+    log.info("%s serving gRPC%s on %s:%d%s%s", role,
+             " (mutual TLS)" if server.mutual_tls else " (TLS)" if server.tls else "",
              server.host, server.port, f", metrics on {metrics_url}" if metrics_url else "",
              f", health on {server.health_port}" if server.health_port >= 0 else "")
     await stop.wait()

@@ -10,11 +10,12 @@ from kv_transfer.base import KVTarget
 from kv_transfer.link import DecodeLinks
 from pdserve.config import PrefillConfig
 from pdserve.engine.runner import ModelRunner
-from pdserve.errors import InvalidRequest, PdserveError
+from pdserve.errors import InvalidRequest, NotPermitted, PdserveError
 from pdserve.grpc_util import map_errors
 from pdserve.metrics import PrefillMetrics
 from pdserve.proto_convert import sampling_from_proto, worker_info
 from pdserve.sampling_params import check_sampling, check_token_ids
+from pdserve.security import Identity
 from pdserve.serving import make_server, serve_until_signal, start_metrics, worker_id
 from prefill_service.handoff import Handoff
 from prefill_service.scheduler import PrefillScheduler, PrefillTask
@@ -24,8 +25,10 @@ log = logging.getLogger(__name__)
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
-    def __init__(self, runner: ModelRunner, scheduler: PrefillScheduler, worker: str) -> None:
+    def __init__(self, runner: ModelRunner, scheduler: PrefillScheduler, worker: str,
+                 identity: Identity) -> None:
         self.runner = runner
+        self.identity = identity
         self.scheduler = scheduler
         self.worker = worker
 
@@ -34,6 +37,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                       context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:
         prompt = list(request.prompt_token_ids)
         target = KVTarget.from_proto(request.kv_target)
+        if not self.identity.signed(target.signature, *target.signed_parts):
+            # Not a target a decode worker issued: never connect to it (no give-up either).
+            raise NotPermitted(f"KV target {target.address} for {target.request_id!r} is not "
+                               "signed by a decode worker of this cluster")
         task = PrefillTask(request.request_id, prompt, sampling_from_proto(request.sampling),
                            Handoff(self.scheduler.links, target, len(prompt)),
                            request.output_offset)
@@ -67,16 +74,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
 
 
 async def serve(config: PrefillConfig) -> None:
+    identity = Identity.from_config(config.server)
     runner = ModelRunner(config.engine, "prefill")
-    server = make_server(config.server)
+    server = make_server(config.server, identity)
     worker = worker_id(config.server, "prefill", server.port)
     metrics = PrefillMetrics(worker)
-    links = DecodeLinks(runner.pool, config.transfer_timeout_s)
+    links = DecodeLinks(runner.pool, config.transfer_timeout_s, identity)
     scheduler = PrefillScheduler(runner, links, config.chunk_size, config.max_queued_requests,
                                  metrics, layerwise=config.layerwise_transfer,
                                  max_queue_wait_s=config.max_queue_wait_s)
     server.add(prefill_pb2_grpc.add_PrefillServiceServicer_to_server,
-               PrefillServicer(runner, scheduler, worker),
+               PrefillServicer(runner, scheduler, worker, identity),
                [prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name])
     metrics_url = start_metrics(config.server, metrics)
     loop_task = asyncio.create_task(scheduler.run(), name="prefill-loop")

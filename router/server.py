@@ -14,6 +14,7 @@ from pdserve.grpc_util import map_errors, parsed, time_remaining
 from pdserve.metrics import RouterMetrics
 from pdserve.models.config import ModelConfig
 from pdserve.models.presets import model_config
+from pdserve.security import Identity
 from pdserve.serving import make_server, serve_until_signal, start_metrics, worker_id
 from pdserve.tokenizer import Tokenizer, load_tokenizer
 from protos.pdserve.v1 import generate_pb2, generate_pb2_grpc
@@ -227,11 +228,14 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
 async def serve(config: RouterConfig) -> None:
     model = model_config(config.model)
     tokenizer = load_tokenizer(config.model)
-    server = make_server(config.server, max_receive_bytes=config.max_request_bytes)
+    identity = Identity.from_config(config.server)
+    server = make_server(config.server, identity, internal=False,
+                         max_receive_bytes=config.max_request_bytes)
     metrics = RouterMetrics(worker_id(config.server, "router", server.port))
     workers = WorkerPool({"prefill": config.prefill_addrs + config.prefill_discovery,
                           "decode": config.decode_addrs + config.decode_discovery}, model,
-                         config.health_interval_s, metrics, config.discovery_interval_s)
+                         config.health_interval_s, metrics, config.discovery_interval_s,
+                         identity=identity)
     servicer = GenerationServicer(config, model, tokenizer, workers, metrics)
     server.add(generate_pb2_grpc.add_GenerationServiceServicer_to_server, servicer,
                [generate_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name])

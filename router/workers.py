@@ -22,6 +22,7 @@ from pdserve.errors import NoHealthyWorker
 from pdserve.grpc_util import channel
 from pdserve.metrics import RouterMetrics
 from pdserve.models.config import ModelConfig
+from pdserve.security import Identity
 from protos.pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc, worker_pb2
 
 log = logging.getLogger(__name__)
@@ -63,8 +64,9 @@ class Worker:
 class WorkerPool:
     def __init__(self, sources: dict[str, list[str]], model: ModelConfig, interval_s: float,
                  metrics: RouterMetrics | None = None, discovery_interval_s: float = 5.0,
-                 resolver: Resolver = resolve_dns) -> None:
+                 resolver: Resolver = resolve_dns, identity: Identity | None = None) -> None:
         self.model = model
+        self.identity = identity
         self.interval_s = interval_s
         self.discovery_interval_s = discovery_interval_s
         self.metrics = metrics
@@ -79,7 +81,7 @@ class WorkerPool:
                     self._add(role, spec, spec)
 
     def _add(self, role: str, address: str, source: str) -> None:
-        ch = channel(address)
+        ch = channel(address, self.identity)
         self.workers[role].append(Worker(role, address, source, ch, STUBS[role](ch)))
         log.info("%s worker %s added (from %s)", role, address, source)
 

@@ -6,6 +6,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -13,14 +14,23 @@ import grpc
 import pytest
 import torch
 
+from pdserve.security import TOKEN_METADATA
 from protos.pdserve.v1 import (decode_pb2_grpc, generate_pb2, generate_pb2_grpc,
                                prefill_pb2_grpc, worker_pb2)
+
+# The token of every test cluster: tests that call workers directly send INTERNAL_METADATA.
+_SECRETS = tempfile.mkdtemp(prefix="pdserve-test-")
+TOKEN_FILE = os.path.join(_SECRETS, "token")
+with open(TOKEN_FILE, "w") as _f:
+    _f.write("test-cluster-token")
+INTERNAL_METADATA = ((TOKEN_METADATA, "test-cluster-token"),)
 
 # Small pages, a small pool and a small prefill chunk so tests cross page and chunk boundaries.
 ENGINE_FLAGS = ["--model", "tiny", "--page-size", "4", "--num-pages", "1024", "--torch-threads", "1"]
 PREFILL_FLAGS = ["--chunk-size", "48"]
 DECODE_FLAGS = ["--lease-timeout-s", "3", "--reserve-wait-s", "1"]
-CLUSTER_FLAGS = [*ENGINE_FLAGS, *PREFILL_FLAGS, *DECODE_FLAGS, "--health-interval-s", "0.5"]
+CLUSTER_FLAGS = [*ENGINE_FLAGS, *PREFILL_FLAGS, *DECODE_FLAGS, "--health-interval-s", "0.5",
+                 "--internal-token-file", TOKEN_FILE]
 
 
 def free_port() -> int:
@@ -38,6 +48,7 @@ class Cluster:
     workers: dict[str, list[str]] = field(default_factory=dict)   # role -> grpc addresses
     pids: dict[str, int] = field(default_factory=dict)
     metrics_urls: dict[str, str] = field(default_factory=dict)    # "router0" -> http://.../metrics
+    preamble: str = ""                                            # what `up` printed until ready
 
     def channel(self) -> grpc.Channel:
         return grpc.insecure_channel(self.address)
@@ -78,6 +89,7 @@ def start_cluster(extra: list[str] | None = None, timeout_s: float = 120.0) -> C
     deadline = time.monotonic() + timeout_s
     assert process.stdout is not None
     for line in process.stdout:
+        cluster.preamble += line
         match = re.match(r"(\w+)\s+grpc=(\S+)\s+metrics=(\S+)\s+pid=(\d+)", line)
         if match:
             cluster.workers[match[1]].append(match[2])
@@ -225,14 +237,15 @@ def start_roles(roles: list[str], discovery: bool = False, router_flags: list[st
         name = f"{role}{roles[:i].count(role)}"
         addresses[name] = f"127.0.0.1:{port}"
         processes[name] = subprocess.Popen([sys.executable, "-m", "pdserve", role, "--port",
-                                            str(port), *ENGINE_FLAGS, *role_flags[role]])
+                                            str(port), "--internal-token-file", TOKEN_FILE,
+                                            *ENGINE_FLAGS, *role_flags[role]])
     for name, process in processes.items():
         wait_serving(addresses[name], process)
     port = free_port()
     router = f"127.0.0.1:{port}"
     processes["router"] = subprocess.Popen([
         sys.executable, "-m", "pdserve", "router", "--port", str(port), "--model", "tiny",
-        "--health-interval-s", "0.5",
+        "--health-interval-s", "0.5", "--internal-token-file", TOKEN_FILE,
         *_worker_flags(addresses, "prefill", discovery), *_worker_flags(addresses, "decode", discovery),
         *(router_flags or [])])
     health_port = _flag(router_flags or [], "--health-port")

@@ -7,7 +7,7 @@ import random
 import grpc
 import pytest
 import torch
-from conftest import free_port, generate, start_roles
+from conftest import INTERNAL_METADATA, free_port, generate, start_roles
 
 from decode_service.reservations import ReservationTable
 from kv_transfer import nixl_installed
@@ -107,9 +107,9 @@ def test_cluster_with_kv_transfer_on_its_own_port(tiny_runner):
         with grpc.insecure_channel(cluster.addresses["decode0"]) as ch:
             target = decode_pb2_grpc.DecodeServiceStub(ch).Reserve(
                 decode_pb2.ReserveRequest(request_id="peek", prompt_len=4, max_new_tokens=1),
-                timeout=5).kv_target
+                timeout=5, metadata=INTERNAL_METADATA).kv_target
             decode_pb2_grpc.DecodeServiceStub(ch).Release(
-                decode_pb2.ReleaseRequest(request_id="peek"), timeout=5)
+                decode_pb2.ReleaseRequest(request_id="peek"), timeout=5, metadata=INTERNAL_METADATA)
         assert target.address == f"127.0.0.1:{transfer_port}"
         prompt = list(b"through the transfer port")
         ids = generate(cluster.stub(), token_ids=generate_pb2.TokenIds(ids=prompt),

@@ -7,7 +7,7 @@ import threading
 
 import grpc
 import pytest
-from conftest import free_port, generate, wait_serving
+from conftest import INTERNAL_METADATA, free_port, generate, wait_serving
 
 from protos.pdserve.v1 import decode_pb2, decode_pb2_grpc, generate_pb2
 
@@ -91,7 +91,7 @@ def test_uncommitted_reservation_expires_after_lease(cluster):
     with grpc.insecure_channel(cluster.workers["decode"][0]) as ch:
         reply = decode_pb2_grpc.DecodeServiceStub(ch).Reserve(
             decode_pb2.ReserveRequest(request_id="abandoned", prompt_len=40, max_new_tokens=10),
-            timeout=5)
+            timeout=5, metadata=INTERNAL_METADATA)
     assert len(reply.kv_target.page_ids) == 10
     assert cluster.free_pages()["decode"] == before["decode"] - 13
     # The cluster runs with --lease-timeout-s 3: never committed, the pages come back.

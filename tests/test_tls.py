@@ -1,12 +1,13 @@
 """The router serves TLS from a certificate and key, with a plaintext health port for probes."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
 import grpc
 import pytest
-from conftest import free_port, start_roles
+from conftest import free_port, start_cluster, start_roles, stop_cluster
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.pdserve.v1 import generate_pb2, generate_pb2_grpc
@@ -48,3 +49,25 @@ def test_router_over_tls_with_a_plaintext_health_port(certificate):
         assert result.returncode == 0, result.stderr
     finally:
         cluster.stop()
+
+
+def test_up_tls_runs_the_whole_cluster_over_mutual_tls():
+    cluster = start_cluster(["--tls"])
+    try:
+        ca = re.search(r"clients trust (\S+)", cluster.preamble)[1]
+        ca_pem = open(ca, "rb").read()
+        with grpc.secure_channel(cluster.address, grpc.ssl_channel_credentials(ca_pem)) as ch:
+            stub = generate_pb2_grpc.GenerationServiceStub(ch)
+            request = generate_pb2.GenerateRequest(
+                text="over mTLS", sampling=generate_pb2.SamplingParams(max_new_tokens=4,
+                                                                       ignore_eos=True))
+            assert sum(len(r.token_ids) for r in stub.Generate(request, timeout=60)) == 4
+        worker = cluster.workers["decode"][0]
+        # A worker takes no plaintext, and no TLS client without a certificate the CA signed.
+        with grpc.insecure_channel(worker) as ch, pytest.raises(grpc.RpcError):
+            health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        with grpc.secure_channel(worker, grpc.ssl_channel_credentials(ca_pem)) as ch, \
+                pytest.raises(grpc.RpcError):
+            health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    finally:
+        assert stop_cluster(cluster) == 0

@@ -43,14 +43,16 @@ class KVLayout(_message.Message):
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
 
 class KVTarget(_message.Message):
-    __slots__ = ("address", "request_id", "page_ids")
+    __slots__ = ("address", "request_id", "page_ids", "signature")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     address: str
     request_id: str
     page_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, address: _Optional[str] = ..., request_id: _Optional[str] = ..., page_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    signature: bytes
+    def __init__(self, address: _Optional[str] = ..., request_id: _Optional[str] = ..., page_ids: _Optional[_Iterable[int]] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class GetWorkerInfoRequest(_message.Message):
     __slots__ = ()
