@@ -268,6 +268,18 @@ def test_chart_flag_list_is_made_from_the_code():
     assert json.loads((ROOT / CHART_FLAGS).read_text()) == chart_flags(), "run `make chart-flags`"
 
 
+def test_every_pod_carries_the_internal_token_from_one_secret():
+    objects, _ = render({})
+    [secret] = [o for o in _of(objects, "Secret") if o["metadata"]["name"].endswith("-internal-token")]
+    assert secret["data"]["token"]
+    for deployment in _of(objects, "Deployment"):
+        assert _args(deployment)["internal-token-file"] == "/etc/pdserve/internal/token"
+        volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+        assert volumes["internal-token"]["secret"]["secretName"] == secret["metadata"]["name"]
+    objects, _ = render({"internalToken": {"existingSecret": "mine"}})
+    assert not [o for o in _of(objects, "Secret") if o["metadata"]["name"].endswith("-internal-token")]
+
+
 def test_kv_transfer_engine_reaches_the_decode_pods():
     objects, _ = render({"kvTransfer": {"engine": "nixl"}})
     assert _args(_one(objects, "Deployment", "decode"))["kv-transfer"] == "nixl"

@@ -64,6 +64,11 @@ app.kubernetes.io/component: {{ .role }}
 {{- printf "%s.%s.svc.%s" (include "pdserve.roleName" .) .root.Release.Namespace .root.Values.clusterDomain -}}
 {{- end -}}
 
+{{/* The Secret holding the token every internal call carries. */}}
+{{- define "pdserve.internalTokenSecret" -}}
+{{- default (printf "%s-internal-token" (include "pdserve.fullname" .)) .Values.internalToken.existingSecret -}}
+{{- end -}}
+
 {{/* --model: a preset name or a folder. */}}
 {{- define "pdserve.model" -}}
 {{- $m := .Values.model -}}
@@ -166,6 +171,9 @@ spec:
             - --worker-id=$(POD_NAME)
             - --log-level={{ $root.Values.logLevel }}
             - --shutdown-grace-s={{ sub $root.Values.terminationGracePeriodSeconds (add $root.Values.preStopSleepSeconds 5) }}
+            {{- if $root.Values.internalToken.enabled }}
+            - --internal-token-file=/etc/pdserve/internal/token
+            {{- end }}
             {{- .args | nindent 12 }}
             {{- with $values.extraArgs }}
             {{- toYaml . | nindent 12 }}
@@ -231,9 +239,20 @@ spec:
               mountPath: /etc/pdserve/tls
               readOnly: true
             {{- end }}
+            {{- if $root.Values.internalToken.enabled }}
+            - name: internal-token
+              mountPath: /etc/pdserve/internal
+              readOnly: true
+            {{- end }}
       volumes:
         - name: tmp
           emptyDir: {}
+        {{- if $root.Values.internalToken.enabled }}
+        - name: internal-token
+          secret:
+            secretName: {{ include "pdserve.internalTokenSecret" $root }}
+            defaultMode: 0400
+        {{- end }}
         {{- if eq $model.source "pvc" }}
         - name: model
           persistentVolumeClaim:
