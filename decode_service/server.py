@@ -153,7 +153,7 @@ async def serve(config: DecodeConfig) -> None:
                               advertised_address(config.server, transfer_server.port), worker,
                               engines, identity)
     transfer_servicer = KVTransferServicer(runner.pool, table, config.kv_transfer,
-                                           metrics.transfer_bytes.inc)
+                                           metrics.transfer_bytes.inc, host=config.server.host)
     if config.kv_transfer != "auto":
         # Fail at start, not at the first request, if the engine's library is missing.
         transfer_servicer.receiver(config.kv_transfer)

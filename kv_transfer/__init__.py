@@ -59,12 +59,13 @@ def _entry(name: str) -> Engine:
     return ENGINES[name]
 
 
-def create_sender(name: str, pool: KVPool) -> Sender:
-    return _load(_entry(name).sender)(pool)
+def create_sender(name: str, pool: KVPool, host: str = "") -> Sender:
+    """``host``: the address this process serves on (engines that listen keep to it)."""
+    return _load(_entry(name).sender)(pool, host)
 
 
-def create_receiver(name: str, pool: KVPool, sink: TransferSink) -> Receiver:
-    return _load(_entry(name).receiver)(pool, sink)
+def create_receiver(name: str, pool: KVPool, sink: TransferSink, host: str = "") -> Receiver:
+    return _load(_entry(name).receiver)(pool, sink, host)
 
 
 def host_identity() -> str:

@@ -65,7 +65,7 @@ class Receiver(ABC):
     """Decode side of an engine: created at the first handshake that picks it."""
 
     @abstractmethod
-    def __init__(self, pool: KVPool, sink: TransferSink) -> None: ...
+    def __init__(self, pool: KVPool, sink: TransferSink, host: str = "") -> None: ...
 
     @abstractmethod
     def metadata(self) -> bytes:
@@ -80,7 +80,7 @@ class Sender(ABC):
     """
 
     @abstractmethod
-    def __init__(self, pool: KVPool) -> None: ...
+    def __init__(self, pool: KVPool, host: str = "") -> None: ...
 
     @abstractmethod
     async def connect(self, peer: Peer) -> Any:

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 class CudaIpcReceiver(Receiver):
     """Decode side: exports the pool's memory once."""
 
-    def __init__(self, pool: KVPool, sink: TransferSink) -> None:
+    def __init__(self, pool: KVPool, sink: TransferSink, host: str = "") -> None:
         if pool.tensor.device.type != "cuda":
             raise ImportError("cuda_ipc needs the KV pool on a CUDA device")
         from torch.multiprocessing.reductions import reduce_tensor
@@ -149,7 +149,7 @@ class _IpcWrite(PageWrite):
 
 
 class CudaIpcSender(LayerwiseSender):
-    def __init__(self, pool: KVPool) -> None:
+    def __init__(self, pool: KVPool, host: str = "") -> None:
         if pool.tensor.device.type != "cuda":
             raise ImportError("cuda_ipc needs the KV pool on a CUDA device")
         from kv_transfer.copy_kernel import copy_pages

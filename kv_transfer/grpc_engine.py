@@ -23,7 +23,7 @@ def _to_bytes(pages: torch.Tensor) -> bytes:
 
 
 class GrpcSender(Sender):
-    def __init__(self, pool: KVPool) -> None:
+    def __init__(self, pool: KVPool, host: str = "") -> None:
         self.pool = pool
         self.pages_per_chunk = max(1, CHUNK_BYTES // pool.bytes_per_page)
 
@@ -61,7 +61,7 @@ class GrpcSender(Sender):
 class GrpcReceiver(Receiver):
     """Decode side: writes received chunks into the reserved pages."""
 
-    def __init__(self, pool: KVPool, sink: TransferSink) -> None:
+    def __init__(self, pool: KVPool, sink: TransferSink, host: str = "") -> None:
         self.pool = pool
         self.sink = sink
 

@@ -62,9 +62,11 @@ class DecodeLinks:
     """Every link of one prefill worker, made once per decode address: concurrent requests
     share one attempt, and a failed attempt is retried by the next request."""
 
-    def __init__(self, pool: KVPool, timeout_s: float, identity: Identity | None = None) -> None:
+    def __init__(self, pool: KVPool, timeout_s: float, identity: Identity | None = None,
+                 host: str = "") -> None:
         self.pool = pool
         self.identity = identity
+        self.host = host              # where this process serves (engines that listen keep to it)
         self.timeout_s = timeout_s
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._links: dict[str, asyncio.Task] = {}     # address -> the attempt to link
@@ -148,7 +150,7 @@ class DecodeLinks:
 
     def _sender(self, engine: str) -> Sender:
         if engine not in self._senders:
-            self._senders[engine] = create_sender(engine, self.pool)
+            self._senders[engine] = create_sender(engine, self.pool, self.host)
         return self._senders[engine]
 
     async def close(self) -> None:

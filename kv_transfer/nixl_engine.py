@@ -42,7 +42,16 @@ def nixl_api() -> ModuleType:
     raise ImportError("NIXL is not installed: pip install 'pdserve[nixl]'")
 
 
-def _agent(role: str) -> Any:
+def _keep_to(host: str) -> None:
+    """UCX listens on every interface unless told: a process serving on loopback keeps its
+    NIXL traffic there too. (Other hosts keep UCX's default, which RDMA devices need; set
+    UCX_NET_DEVICES to restrict them.)"""
+    if host in ("localhost", "::1") or host.startswith("127."):
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+
+def _agent(role: str, host: str) -> Any:
+    _keep_to(host)
     api = nixl_api()
     name = f"pdserve-{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     agent = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
@@ -74,9 +83,9 @@ def page_descriptors(pool: KVPool, page_ids: list[int], base: int, num_pages: in
 class NixlReceiver(Receiver):
     """Decode side: the pool registered with a NIXL agent; its metadata goes to prefill."""
 
-    def __init__(self, pool: KVPool, sink: TransferSink) -> None:
+    def __init__(self, pool: KVPool, sink: TransferSink, host: str = "") -> None:
         self.pool = pool
-        self.agent = _agent("decode")
+        self.agent = _agent("decode", host)
         self.agent.register_memory(pool.tensor)
 
     def metadata(self) -> bytes:
@@ -128,11 +137,11 @@ class _NixlWrite(PageWrite):
 
 
 class NixlSender(LayerwiseSender):
-    def __init__(self, pool: KVPool) -> None:
+    def __init__(self, pool: KVPool, host: str = "") -> None:
         self.pool = pool
         # Every call into the agent happens on this one thread.
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="nixl")
-        self.agent = self.thread.submit(_agent, "prefill").result()
+        self.agent = self.thread.submit(_agent, "prefill", host).result()
         self.thread.submit(self.agent.register_memory, pool.tensor).result()
 
     async def connect(self, peer: Peer) -> RemoteAgent:

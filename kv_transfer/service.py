@@ -40,8 +40,9 @@ def offered_engines(configured: str, pool_on_cuda: bool) -> list[str]:
 
 class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
     def __init__(self, pool: KVPool, sink: TransferSink, configured: str = "auto",
-                 on_bytes: Callable[[int], None] | None = None) -> None:
+                 on_bytes: Callable[[int], None] | None = None, host: str = "") -> None:
         self.pool = pool
+        self.host = host
         self.sink = sink
         self.configured = configured
         on_cuda = pool.tensor.device.type == "cuda"
@@ -58,7 +59,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
         """The receiving side of ``engine``, created on first use (its library loaded then)."""
         if engine not in self.receivers:
             try:
-                self.receivers[engine] = create_receiver(engine, self.pool, self.sink)
+                self.receivers[engine] = create_receiver(engine, self.pool, self.sink, self.host)
             except ImportError as err:
                 raise LayoutMismatch(f"transfer engine {engine!r}: {err}") from err
         return self.receivers[engine]

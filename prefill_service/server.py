@@ -79,7 +79,7 @@ async def serve(config: PrefillConfig) -> None:
     server = make_server(config.server, identity)
     worker = worker_id(config.server, "prefill", server.port)
     metrics = PrefillMetrics(worker)
-    links = DecodeLinks(runner.pool, config.transfer_timeout_s, identity)
+    links = DecodeLinks(runner.pool, config.transfer_timeout_s, identity, config.server.host)
     scheduler = PrefillScheduler(runner, links, config.chunk_size, config.max_queued_requests,
                                  metrics, layerwise=config.layerwise_transfer,
                                  max_queue_wait_s=config.max_queue_wait_s)

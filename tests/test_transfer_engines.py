@@ -1,7 +1,10 @@
 """Choosing the KV transfer engine, and transfers that fail leaving nothing behind."""
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 import time
 import urllib.request
 
@@ -146,3 +149,20 @@ def test_killing_prefill_mid_request_returns_decode_pages():
         assert _wait_free(cluster.addresses["decode0"], decode.total_pages) == decode.total_pages
     finally:
         cluster.stop()
+
+
+@pytest.mark.skipif(not nixl_installed(), reason="needs NIXL")
+def test_nixl_keeps_to_loopback_when_served_there():
+    """UCX would listen on every interface; a worker on 127.0.0.1 keeps NIXL there too."""
+    code = """
+import os, subprocess, torch
+from kv_transfer.nixl_engine import NixlReceiver
+from pdserve.kvcache.pool import KVLayout, KVPool
+pool = KVPool(KVLayout("m", "float32", 4, 2, 1, 4), 8, torch.float32, torch.device("cpu"))
+NixlReceiver(pool, None, host="127.0.0.1").metadata()
+out = subprocess.run(["ss", "-ltn", "-p"], capture_output=True, text=True).stdout
+mine = [line.split()[3] for line in out.splitlines() if f"pid={os.getpid()}," in line]
+assert all(a.startswith(("127.", "[::1]")) for a in mine), mine
+"""
+    env = {k: v for k, v in os.environ.items() if k != "UCX_NET_DEVICES"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
