@@ -135,6 +135,21 @@ def _wait_serving(child: Child, deadline: float, stopping: list[bool],
             time.sleep(0.2)
 
 
+def _until_ready(child: Child, deadline: float, stopping: list[bool], secrets: ClusterSecrets,
+                 max_restarts: int) -> None:
+    """Waits until ``child`` serves; one that crashes on the way (killed by a signal, not an
+    error exit of its own) is started again, up to ``max_restarts`` times."""
+    while True:
+        try:
+            return _wait_serving(child, deadline, stopping, secrets)
+        except RuntimeError:
+            if child.process.returncode >= 0 or child.recent_restarts() >= max_restarts:
+                raise
+            print(f"pdserve: {child.role} {child.address} crashed while starting (code "
+                  f"{child.process.returncode}); starting it again", file=sys.stderr, flush=True)
+            child.restart()
+
+
 def _stop_all(children: list[Child]) -> None:
     for child in reversed(children):  # the router first: it stops taking requests
         if child.process.poll() is None:
@@ -207,13 +222,13 @@ def run_cluster(plan: ClusterPlan) -> int:
                                       plan.worker_argv(role, i), launcher.log_level, secrets))
         children.extend(workers)
         for child in workers:
-            _wait_serving(child, deadline, stopping, secrets)
+            _until_ready(child, deadline, stopping, secrets, launcher.max_restarts)
         extra = plan.router_argv([c.address for c in workers if c.role == "prefill"],
                                  [c.address for c in workers if c.role == "decode"])
         router = _start("router", host, launcher.port, metrics, extra, launcher.log_level,
                         secrets)
         children.append(router)
-        _wait_serving(router, deadline, stopping, secrets)
+        _until_ready(router, deadline, stopping, secrets, launcher.max_restarts)
         for child in children:
             print(f"{child.role:<8} grpc={child.address}  metrics={child.metrics_url}  "
                   f"pid={child.process.pid}", flush=True)

@@ -90,6 +90,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
             outcome = "finished"
             self.metrics.e2e.observe(time.monotonic() - started)
         except PdserveError as err:
+            remaining = context.time_remaining()
+            if remaining is not None and remaining <= 0:   # nobody is left to answer
+                outcome = "deadline_exceeded"
+                return
             outcome = err.code.name.lower()
             await context.abort(err.code, str(err))
         except (asyncio.CancelledError, GeneratorExit):   # the client went away

@@ -100,13 +100,27 @@ def start_cluster(extra: list[str] | None = None, timeout_s: float = 120.0) -> C
             return cluster
         if time.monotonic() > deadline:
             break
-    process.kill()
-    raise RuntimeError(f"pdserve up did not become ready (exit code {process.poll()})")
+    try:
+        code = process.wait(5)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        code = "none: killed"
+    raise RuntimeError(f"pdserve up did not become ready (exit code {code}); it printed:\n"
+                       f"{cluster.preamble}")
 
 
 def stop_cluster(cluster: Cluster) -> int:
+    """Stops `up` (its exit code); fails if a live worker leaked pages."""
+    leaked = {}
+    if cluster.process.poll() is None:
+        try:
+            leaked = cluster.leaked_pages()
+        except grpc.RpcError:
+            pass   # a worker being restarted: nothing to ask
     cluster.process.send_signal(signal.SIGTERM)
-    return cluster.process.wait(30)
+    code = cluster.process.wait(30)
+    assert not any(leaked.values()), f"pages leaked: {leaked}"
+    return code
 
 
 @pytest.fixture(scope="session")

@@ -10,10 +10,12 @@ import random
 import signal
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from conftest import start_cluster, stop_cluster
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.engine import local
 from pdserve.sampling_params import SamplingParams
@@ -29,6 +31,13 @@ BAD = [dict(), dict(text=""), dict(token_ids=generate_pb2.TokenIds(ids=[1, 999])
        dict(token_ids=generate_pb2.TokenIds(ids=[1] * 2048))]
 # What a request may end with, by kind (anything else fails the test).
 OVERLOAD = {grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+def _router_outcomes(cluster) -> dict[str, float]:  # noqa: ANN001
+    text = urllib.request.urlopen(cluster.metrics_urls["router0"], timeout=5).read().decode()
+    return {sample.labels["outcome"]: sample.value
+            for family in text_string_to_metric_families(text) if family.name == "pdserve_requests"
+            for sample in family.samples if sample.name.endswith("_total")}
 
 
 def test_soak_leaves_every_worker_idle_and_loses_no_accepted_request(tiny_runner):
@@ -145,5 +154,7 @@ def test_soak_leaves_every_worker_idle_and_loses_no_accepted_request(tiny_runner
             time.sleep(0.2)
         assert idle, [(i.worker_id, i.free_pages, i.total_pages, i.reservations, i.leaked_pages)
                       for i in infos]
+        # The router counted no failure that no client saw.
+        assert _router_outcomes(cluster).get("error", 0) == 0, _router_outcomes(cluster)
     finally:
         assert stop_cluster(cluster) == 0
