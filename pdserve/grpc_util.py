@@ -88,7 +88,10 @@ class Server:
         self.grpc = grpc.aio.server(
             interceptors=identity.server_interceptors(internal),
             options=[*(o for o in CHANNEL_OPTIONS if o[0] != "grpc.max_receive_message_length"),
-                     ("grpc.max_receive_message_length", max_receive_bytes)])
+                     ("grpc.max_receive_message_length", max_receive_bytes),
+                     # A busy port is an error, not a port shared with another process (grpc
+                     # sets SO_REUSEPORT by default: a second server would take half the calls).
+                     ("grpc.so_reuseport", 0)])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         self._service_names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
@@ -106,7 +109,7 @@ class Server:
         self.health_server: grpc.aio.Server | None = None
         self.health_port = -1
         if health_port >= 0:
-            self.health_server = grpc.aio.server()
+            self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
             self.health_port = self.health_server.add_insecure_port(f"{host}:{health_port}")
 

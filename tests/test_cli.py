@@ -129,3 +129,17 @@ def test_two_prefill_and_two_decode_workers_share_the_load():
         assert (info.prefill_workers, info.decode_workers) == (2, 2)
     finally:
         assert stop_cluster(cluster) == 0
+
+
+def test_a_busy_port_is_refused_not_shared():
+    """grpc would share a port between two servers (SO_REUSEPORT): ours refuse it."""
+    import asyncio
+
+    from pdserve.grpc_util import Server
+
+    async def scenario():
+        first = Server("127.0.0.1", 0)
+        with pytest.raises(RuntimeError, match="Failed to bind"):
+            Server("127.0.0.1", first.port)
+
+    asyncio.run(scenario())
