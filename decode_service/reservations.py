@@ -200,6 +200,10 @@ class ReservationTable:
             log.debug("reservation %s fenced (%s): %d pages held until its writes end",
                       res.request_id, event.value, len(res.pages))
             self._start_timer(res, self.lease_timeout_s, Event.FENCE_EXPIRED)
+        elif res.state is State.LANDED:
+            # The prefill worker stops renewing once it replies: the router gets a whole lease
+            # from here to call Decode (a slow or busy router must not lose the request).
+            self._start_timer(res, self.lease_timeout_s, Event.LEASE_EXPIRED)
         elif res.state not in LEASED and res.timer is not None:
             res.timer.cancel()
             res.timer = None

@@ -30,7 +30,12 @@ FINISH = {None: generate_pb2.FINISH_REASON_UNSPECIFIED, "length": generate_pb2.F
 # Failures before the first token that another worker pair may not have. Only UNAVAILABLE (the
 # worker cannot be reached) says anything of a worker's health; the others are the request's.
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
-             grpc.StatusCode.ABORTED}
+             grpc.StatusCode.ABORTED, grpc.StatusCode.UNKNOWN}
+# A worker that died mid-call: its stream is removed (UNKNOWN) or it cannot be reached.
+WORKER_GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN}
+# A decode stream that ends with these can go on on another pair (NOT_FOUND: the worker lost
+# the reservation, say after restarting).
+DECODE_LOST = WORKER_GONE | {grpc.StatusCode.NOT_FOUND}
 MAX_ATTEMPTS = 3
 INLINE_VALIDATION_BYTES = 64 << 10   # larger requests are validated off the event loop
 MAX_RECOVERIES = 2   # times a request may move to another pair after losing its decode worker
@@ -196,7 +201,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
         except grpc.aio.AioRpcError as err:
             if err.code() not in RETRYABLE:
                 raise upstream(err, pair.prefill) from err
-            if err.code() == grpc.StatusCode.UNAVAILABLE:
+            if err.code() in WORKER_GONE:
                 self.workers.mark_unhealthy(pair.prefill, err.details() or "unavailable")
             raise RetryElsewhere(upstream(err, pair.prefill), "") from err
 
@@ -222,10 +227,12 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
                 if output.finished:
                     return
         except grpc.aio.AioRpcError as err:
-            if err.code() != grpc.StatusCode.UNAVAILABLE:
+            if err.code() not in DECODE_LOST:
                 raise upstream(err, pair.decode) from err
-            self.workers.mark_unhealthy(pair.decode, err.details() or "unavailable")
-            raise DecodeLost(f"decode worker {pair.decode.address} lost: {err.details()}") from err
+            if err.code() in WORKER_GONE:
+                self.workers.mark_unhealthy(pair.decode, err.details() or "unavailable")
+            raise DecodeLost(f"decode worker {pair.decode.address} lost the request: "
+                             f"{err.code().name}: {err.details()}") from err
         raise DecodeLost(f"decode worker {pair.decode.address} ended the stream early")
 
 
