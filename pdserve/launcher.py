@@ -85,10 +85,22 @@ class Child:
         return sum(1 for t in self.restarted_at if t > since)
 
 
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+class PortPicker:
+    """Free ports for the children, never the same one twice (the kernel may offer a port
+    again as soon as its probe socket closes, before the child has bound it)."""
+
+    def __init__(self, host: str) -> None:
+        self.host = host
+        self.handed_out: set[int] = set()
+
+    def __call__(self) -> int:
+        while True:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind((self.host, 0))
+                port = sock.getsockname()[1]
+            if port not in self.handed_out:
+                self.handed_out.add(port)
+                return port
 
 
 def _die_with_parent() -> None:
@@ -97,9 +109,9 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _start(role: str, host: str, port: int, metrics: bool, extra: list[str],
+def _start(role: str, host: str, port: int, metrics: PortPicker | None, extra: list[str],
            log_level: str, secrets: ClusterSecrets) -> Child:
-    metrics_port = free_port(host) if metrics else -1
+    metrics_port = metrics() if metrics else -1
     cmd = [sys.executable, "-m", "pdserve", role, "--host", host, "--port", str(port),
            "--metrics-port", str(metrics_port), "--log-level", log_level,
            *secrets.server_flags(), *extra]
@@ -205,7 +217,9 @@ def run_cluster(plan: ClusterPlan) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     launcher = plan.launcher
-    host, metrics = launcher.host, not launcher.no_metrics
+    host = launcher.host
+    ports = PortPicker(host)
+    metrics = None if launcher.no_metrics else ports
     children: list[Child] = []
     code = 0
     try:
@@ -218,7 +232,7 @@ def run_cluster(plan: ClusterPlan) -> int:
         workers = []
         for role, count in (("prefill", launcher.prefill), ("decode", launcher.decode)):
             for i in range(count):
-                workers.append(_start(role, host, free_port(host), metrics,
+                workers.append(_start(role, host, ports(), metrics,
                                       plan.worker_argv(role, i), launcher.log_level, secrets))
         children.extend(workers)
         for child in workers:

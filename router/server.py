@@ -29,10 +29,10 @@ FINISH = {None: generate_pb2.FINISH_REASON_UNSPECIFIED, "length": generate_pb2.F
           "stop": generate_pb2.FINISH_REASON_STOP}
 # Failures before the first token that another worker pair may not have. Only UNAVAILABLE (the
 # worker cannot be reached) says anything of a worker's health; the others are the request's.
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
-             grpc.StatusCode.ABORTED, grpc.StatusCode.UNKNOWN}
-# A worker that died mid-call: its stream is removed (UNKNOWN) or it cannot be reached.
-WORKER_GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN}
+# A worker that died mid-call: its stream is removed (UNKNOWN or INTERNAL, by where the
+# connection broke) or it cannot be reached.
+WORKER_GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
+RETRYABLE = WORKER_GONE | {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED}
 # A decode stream that ends with these can go on on another pair (NOT_FOUND: the worker lost
 # the reservation, say after restarting).
 DECODE_LOST = WORKER_GONE | {grpc.StatusCode.NOT_FOUND}
