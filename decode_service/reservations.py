@@ -46,10 +46,11 @@ class ReservationTable:
         self._by_id: dict[str, Reservation] = {}       # every state but RELEASED
         self._waiters: deque[asyncio.Future] = deque()
         self.held_pages = 0                              # pages our reservations hold
+        self._num_fenced = 0                             # of _by_id, those FENCED
 
     def __len__(self) -> int:
         """Reservations not fenced (what a client would call open)."""
-        return sum(1 for r in self._by_id.values() if r.state is not State.FENCED)
+        return len(self._by_id) - self._num_fenced
 
     @property
     def num_waiting(self) -> int:
@@ -190,12 +191,13 @@ class ReservationTable:
             raise InvalidRequest(f"request {res.request_id!r}: {err}") from None
         if res.state is before:
             return
+        self._num_fenced += (res.state is State.FENCED) - (before is State.FENCED)
         if res.landed is not None and not res.landed.done():
             if res.state is State.LANDED:
                 res.landed.set_result(None)
             elif res.state in (State.FENCED, State.RELEASED):
                 res.landed.set_exception(UnknownRequest(
-                    f"reservation {res.request_id!r} was {event.value}d before its KV landed"))
+                    f"reservation {res.request_id!r} ended ({event.value}) before its KV landed"))
         if res.state is State.FENCED:
             log.debug("reservation %s fenced (%s): %d pages held until its writes end",
                       res.request_id, event.value, len(res.pages))

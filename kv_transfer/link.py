@@ -15,8 +15,8 @@ from kv_transfer.base import KVTarget, Peer, Sender
 from pdserve.errors import ANSWERED, LayoutMismatch, PdserveError, TransferFailed
 from pdserve.grpc_util import channel
 from pdserve.kvcache.pool import KVPool
-from pdserve.security import Identity
 from pdserve.proto_convert import layout_to_proto
+from pdserve.security import Identity
 from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,7 @@ class DecodeLinks:
         self.host = host              # where this process serves (engines that listen keep to it)
         self.timeout_s = timeout_s
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, kv_transfer_pb2_grpc.KVTransferServiceStub] = {}
         self._links: dict[str, asyncio.Task] = {}     # address -> the attempt to link
         self._senders: dict[str, Sender] = {}          # engine -> its one sender
 
@@ -97,7 +98,7 @@ class DecodeLinks:
         return attempt.result()
 
     async def _link(self, address: str) -> DecodeLink:
-        stub = kv_transfer_pb2_grpc.KVTransferServiceStub(self._channel(address))
+        stub = self._stub(address)
         on_cuda = self.pool.tensor.device.type == "cuda"
         request = kv_transfer_pb2.HandshakeRequest(
             layout=layout_to_proto(self.pool.layout), host=host_identity(),
@@ -125,9 +126,8 @@ class DecodeLinks:
     async def abandon(self, address: str, request_id: str) -> None:
         """Tells a decode worker we write no more for ``request_id`` (best effort; linked
         or not: its reservation may be fenced for fear of our writes)."""
-        stub = kv_transfer_pb2_grpc.KVTransferServiceStub(self._channel(address))
         try:
-            await stub.Abandon(kv_transfer_pb2.AbandonRequest(request_id=request_id),
+            await self._stub(address).Abandon(kv_transfer_pb2.AbandonRequest(request_id=request_id),
                                timeout=self.timeout_s)
         except grpc.aio.AioRpcError as err:
             log.info("abandon of %s at %s: %s", request_id, address, err.details())
@@ -135,18 +135,19 @@ class DecodeLinks:
     async def renew(self, address: str, request_ids: list[str]) -> list[str]:
         """Renews the leases of requests we hold at ``address``; returns those it no longer
         has. Raises TransferFailed if it cannot be reached."""
-        stub = kv_transfer_pb2_grpc.KVTransferServiceStub(self._channel(address))
         try:
-            reply = await stub.Renew(kv_transfer_pb2.RenewRequest(request_ids=request_ids),
+            reply = await self._stub(address).Renew(kv_transfer_pb2.RenewRequest(request_ids=request_ids),
                                      timeout=self.timeout_s)
         except grpc.aio.AioRpcError as err:
             raise TransferFailed(f"renewing leases at {address}: {err.details()}") from err
         return list(reply.gone)
 
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        if address not in self._channels:
+    def _stub(self, address: str) -> kv_transfer_pb2_grpc.KVTransferServiceStub:
+        if address not in self._stubs:
             self._channels[address] = channel(address, self.identity)
-        return self._channels[address]
+            self._stubs[address] = kv_transfer_pb2_grpc.KVTransferServiceStub(
+                self._channels[address])
+        return self._stubs[address]
 
     def _sender(self, engine: str) -> Sender:
         if engine not in self._senders:

@@ -17,10 +17,17 @@ from pdserve.config import (
     RouterConfig,
     ServerConfig,
 )
+from pdserve.launcher import ROUTER_SET_BY_LAUNCHER
 from pdserve.settings import add_flags, flag_kinds, from_args
 
-# What `pdserve up` sets itself for the processes it starts.
-LAUNCHER_SETS = {"model", "prefill_addrs", "decode_addrs", "prefill_discovery", "decode_discovery"}
+# The configs each role's command takes its flags from, in the order --help shows them.
+ROLE_CONFIGS: dict[str, tuple[type, ...]] = {
+    "router": (ServerConfig, RouterConfig),
+    "prefill": (ServerConfig, EngineConfig, PrefillConfig),
+    "decode": (ServerConfig, EngineConfig, DecodeConfig),
+}
+GROUP_TITLES = {ServerConfig: "server", EngineConfig: "model and KV cache",
+                RouterConfig: "router", PrefillConfig: "prefill", DecodeConfig: "decode"}
 
 
 def _role_parser(sub: Any, name: str, help_text: str) -> argparse.ArgumentParser:
@@ -37,17 +44,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(up.add_argument_group("model and KV cache (every worker)"), EngineConfig)
     add_flags(up.add_argument_group("prefill workers"), PrefillConfig)
     add_flags(up.add_argument_group("decode workers"), DecodeConfig)
-    add_flags(up.add_argument_group("router"), RouterConfig, skip=LAUNCHER_SETS)
+    add_flags(up.add_argument_group("router"), RouterConfig, skip=ROUTER_SET_BY_LAUNCHER)
 
-    router = _role_parser(sub, "router", "run the public router")
-    add_flags(router.add_argument_group("server"), ServerConfig, defaults={"port": 50051})
-    add_flags(router.add_argument_group("router"), RouterConfig)
-
-    for role, config in (("prefill", PrefillConfig), ("decode", DecodeConfig)):
-        worker = _role_parser(sub, role, f"run a {role} worker")
-        add_flags(worker.add_argument_group("server"), ServerConfig)
-        add_flags(worker.add_argument_group("model and KV cache"), EngineConfig)
-        add_flags(worker.add_argument_group(role), config)
+    helps = {"router": "run the public router", "prefill": "run a prefill worker",
+             "decode": "run a decode worker"}
+    for role, configs in ROLE_CONFIGS.items():
+        parser_of_role = _role_parser(sub, role, helps[role])
+        for cls in configs:
+            # The router's server config has its own defaults (its public port).
+            defaults = ({"port": RouterConfig().server.port}
+                        if role == "router" and cls is ServerConfig else None)
+            add_flags(parser_of_role.add_argument_group(GROUP_TITLES[cls]), cls,
+                      defaults=defaults)
 
     gen = _role_parser(sub, "generate", "stream a completion from a router")
     gen.add_argument("text")
@@ -69,11 +77,8 @@ CHART_FLAGS = "helm/pdserve/files/flags.json"
 def chart_flags() -> dict[str, dict[str, str]]:
     """Every flag of each role's command, for the Helm chart (``make chart-flags`` writes it
     to CHART_FLAGS; a test fails when that file is stale)."""
-    roles = {"router": [ServerConfig, RouterConfig],
-             "prefill": [ServerConfig, EngineConfig, PrefillConfig],
-             "decode": [ServerConfig, EngineConfig, DecodeConfig]}
     return {role: {name: kind for cls in classes for name, kind in flag_kinds(cls).items()}
-            for role, classes in roles.items()}
+            for role, classes in ROLE_CONFIGS.items()}
 
 
 def role_config(command: str, args: argparse.Namespace) -> Any:

@@ -16,8 +16,8 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 

@@ -94,7 +94,7 @@ class WorkerMetrics(RoleMetrics):
         def on_change(free: int, total: int) -> None:
             self.pages_free.set(free)
             self.pages_used.set(total - free)
-            self.pages_leaked.set(total - free - held_pages())
+            self.pages_leaked.set(allocator.leaked(held_pages()))
 
         allocator.on_change = on_change
         on_change(allocator.num_free, allocator.total)

@@ -8,8 +8,8 @@ import socket
 
 from pdserve.config import ServerConfig
 from pdserve.grpc_util import MAX_MESSAGE_BYTES, Server
-from pdserve.security import Identity
 from pdserve.metrics import RoleMetrics
+from pdserve.security import Identity
 
 log = logging.getLogger("pdserve")
 

@@ -40,7 +40,6 @@ class Handoff:
         self.num_tokens = num_tokens
         self.write: PageWrite | None = None           # layer-wise, during the last step
         self._tasks: set[asyncio.Task] = set()
-        self._link_ahead: asyncio.Task | None = None
         self._early_commit: asyncio.Task | None = None
         self._landed_report: asyncio.Task | None = None
         self._given_up = False
@@ -48,8 +47,8 @@ class Handoff:
     def link_ahead(self) -> None:
         """Starts linking to the decode worker while the prompt waits (failures are reported
         by ``finish``, which tries again)."""
-        self._link_ahead = self._spawn(self.links.get(self.target.address))
-        self._link_ahead.add_done_callback(lambda t: t.cancelled() or t.exception())
+        self._spawn(self.links.get(self.target.address)).add_done_callback(
+            lambda t: t.cancelled() or t.exception())
 
     def start_layerwise(self, src_pages: list[int]) -> PageWrite | None:
         """A write that sends each layer as the step computes it, if the link is up and its
@@ -106,7 +105,9 @@ class Handoff:
     async def _report_landed(self, link: DecodeLink) -> None:
         try:
             await link.writes_landed(self.target.request_id)
-        except Exception as err:  # noqa: BLE001 - a lost report costs a fence, not the request
+        # A lost report: decode's Decode waits for it until the lease runs out, and the router
+        # then resumes the request on another pair.
+        except Exception as err:  # noqa: BLE001
             log.info("request %s: reporting its KV landed: %s", self.target.request_id, err)
 
     async def settle(self) -> None:

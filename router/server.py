@@ -27,15 +27,17 @@ log = logging.getLogger(__name__)
 
 FINISH = {None: generate_pb2.FINISH_REASON_UNSPECIFIED, "length": generate_pb2.FINISH_REASON_LENGTH,
           "stop": generate_pb2.FINISH_REASON_STOP}
-# Failures before the first token that another worker pair may not have. Only UNAVAILABLE (the
-# worker cannot be reached) says anything of a worker's health; the others are the request's.
-# A worker that died mid-call: its stream is removed (UNKNOWN or INTERNAL, by where the
-# connection broke) or it cannot be reached.
+# A worker that died mid-call: it cannot be reached (UNAVAILABLE), or its stream was removed
+# (UNKNOWN or INTERNAL, by where the connection broke).
 WORKER_GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
+# Failures before the first token that another worker pair may not have.
 RETRYABLE = WORKER_GONE | {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED}
-# A decode stream that ends with these can go on on another pair (NOT_FOUND: the worker lost
-# the reservation, say after restarting).
+# A decode stream that ends with these goes on on another pair (NOT_FOUND: the worker lost the
+# reservation, say after restarting).
 DECODE_LOST = WORKER_GONE | {grpc.StatusCode.NOT_FOUND}
+# Only an unreachable worker is marked unhealthy at once; anything else is the request's, and
+# the health probe decides about the worker.
+UNREACHABLE = grpc.StatusCode.UNAVAILABLE
 MAX_ATTEMPTS = 3
 INLINE_VALIDATION_BYTES = 64 << 10   # larger requests are validated off the event loop
 MAX_RECOVERIES = 2   # times a request may move to another pair after losing its decode worker
@@ -177,7 +179,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
                     first_token = await self._prefill(pair, context)
                 except RetryElsewhere as retry:
                     last_error = retry.error
-                    tried.add(retry.decode_address)
+                    if retry.decode_address:
+                        tried.add(retry.decode_address)
                     continue
                 with self.workers.track(decode_worker):
                     async for chunk in self._decode(pair, first_token, output, context):
@@ -201,7 +204,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
         except grpc.aio.AioRpcError as err:
             if err.code() not in RETRYABLE:
                 raise upstream(err, pair.prefill) from err
-            if err.code() in WORKER_GONE:
+            if err.code() == UNREACHABLE:
                 self.workers.mark_unhealthy(pair.prefill, err.details() or "unavailable")
             raise RetryElsewhere(upstream(err, pair.prefill), "") from err
 
@@ -229,7 +232,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
         except grpc.aio.AioRpcError as err:
             if err.code() not in DECODE_LOST:
                 raise upstream(err, pair.decode) from err
-            if err.code() in WORKER_GONE:
+            if err.code() == UNREACHABLE:
                 self.workers.mark_unhealthy(pair.decode, err.details() or "unavailable")
             raise DecodeLost(f"decode worker {pair.decode.address} lost the request: "
                              f"{err.code().name}: {err.details()}") from err

@@ -69,6 +69,10 @@ class PageAllocator:
     def num_free(self) -> int:
         return len(self._free)
 
+    def leaked(self, held: int) -> int:
+        """Pages out of the free list that the owners' count ``held`` does not account for."""
+        return self.total - len(self._free) - held
+
     def can_alloc(self, count: int) -> bool:
         return count <= len(self._free)
 
