@@ -28,16 +28,15 @@ log = logging.getLogger(__name__)
 FINISH = {None: generate_pb2.FINISH_REASON_UNSPECIFIED, "length": generate_pb2.FINISH_REASON_LENGTH,
           "stop": generate_pb2.FINISH_REASON_STOP}
 # A worker that died mid-call: it cannot be reached (UNAVAILABLE), or its stream was removed
-# (UNKNOWN or INTERNAL, by where the connection broke).
+# (UNKNOWN or INTERNAL, by where the connection broke). Such a worker is marked unhealthy at
+# once, so retries go elsewhere; the next health probe marks it healthy again if it is.
 WORKER_GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 # Failures before the first token that another worker pair may not have.
 RETRYABLE = WORKER_GONE | {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED}
 # A decode stream that ends with these goes on on another pair (NOT_FOUND: the worker lost the
 # reservation, say after restarting).
 DECODE_LOST = WORKER_GONE | {grpc.StatusCode.NOT_FOUND}
-# Only an unreachable worker is marked unhealthy at once; anything else is the request's, and
-# the health probe decides about the worker.
-UNREACHABLE = grpc.StatusCode.UNAVAILABLE
+
 MAX_ATTEMPTS = 3
 INLINE_VALIDATION_BYTES = 64 << 10   # larger requests are validated off the event loop
 MAX_RECOVERIES = 2   # times a request may move to another pair after losing its decode worker
@@ -204,7 +203,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
         except grpc.aio.AioRpcError as err:
             if err.code() not in RETRYABLE:
                 raise upstream(err, pair.prefill) from err
-            if err.code() == UNREACHABLE:
+            if err.code() in WORKER_GONE:
                 self.workers.mark_unhealthy(pair.prefill, err.details() or "unavailable")
             raise RetryElsewhere(upstream(err, pair.prefill), "") from err
 
@@ -232,7 +231,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
         except grpc.aio.AioRpcError as err:
             if err.code() not in DECODE_LOST:
                 raise upstream(err, pair.decode) from err
-            if err.code() == UNREACHABLE:
+            if err.code() in WORKER_GONE:
                 self.workers.mark_unhealthy(pair.decode, err.details() or "unavailable")
             raise DecodeLost(f"decode worker {pair.decode.address} lost the request: "
                              f"{err.code().name}: {err.details()}") from err
