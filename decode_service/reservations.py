@@ -13,7 +13,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from decode_service.handoff_state import LEASED, Event, IllegalTransition, State, transition
+from decode_service.handoff_state import (
+    LEASED,
+    Event,
+    IllegalTransition,
+    State,
+    transition,
+)
 from pdserve.errors import InvalidRequest, Overloaded, UnknownRequest
 from pdserve.kvcache.pool import KVPool
 from pdserve.metrics import DecodeMetrics

@@ -7,12 +7,14 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from decode_service.outbox import Entry, Outbox
 from decode_service.reservations import ReservationTable
 from decode_service.scheduler import DecodeLoop, DecodeRequest
 from kv_transfer import writes_unseen
 from kv_transfer.base import KVTarget
 from kv_transfer.service import KVTransferServicer, offered_engines
 from pdserve.config import DecodeConfig
+from pdserve.engine.decode_steps import DecodeSteps
 from pdserve.engine.runner import ModelRunner
 from pdserve.errors import InvalidRequest, PdserveError
 from pdserve.grpc_util import Server, map_errors
@@ -42,6 +44,17 @@ FINISH_REASONS = {"length": generate_pb2.FINISH_REASON_LENGTH,
                   "stop": generate_pb2.FINISH_REASON_STOP}
 
 
+def _to_proto(entry: Entry) -> decode_pb2.RequestTokens:
+    message = decode_pb2.RequestTokens(
+        request_id=entry.request_id, token_ids=entry.token_ids,
+        finish_reason=FINISH_REASONS.get(entry.finish_reason or "",
+                                         generate_pb2.FINISH_REASON_UNSPECIFIED))
+    if entry.error is not None:
+        message.error_code = entry.error[0].value[0]
+        message.error_message = entry.error[1]
+    return message
+
+
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     def __init__(self, runner: ModelRunner, table: ReservationTable, loop: DecodeLoop,
                  address: str, worker: str, engines: list[str], identity: Identity) -> None:
@@ -68,42 +81,62 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         target.signature = self.identity.sign(*target.signed_parts)
         return decode_pb2.ReserveResponse(kv_target=target.to_proto())
 
-    @map_errors
-    async def Decode(self, request: decode_pb2.DecodeRequest,
-                     context: grpc.aio.ServicerContext) -> AsyncIterator[decode_pb2.DecodeResponse]:
-        params = sampling_from_proto(request.sampling)
-        prompt_ids = list(request.prompt_token_ids)
-        self._check_decode(request, params, prompt_ids)
-        res = await self.table.start_decoding(request.request_id)
-        req = DecodeRequest(request.request_id, res, params, prompt_ids, [request.first_token_id],
-                            output_offset=request.output_offset)
-        self.loop.add(req)
-        outcome = "cancelled"
+    async def Stream(self, requests: AsyncIterator[decode_pb2.StreamRequest],
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[decode_pb2.StreamResponse]:
+        """One router connection's requests: starts come in, each step's tokens go out as one
+        message. Requests still running when the stream ends are cancelled."""
+        outbox = Outbox()
+        started: dict[str, asyncio.Task] = {}
+        reader = asyncio.create_task(self._read_starts(requests, outbox, started))
         try:
             while True:
-                update = await req.updates.get()
-                tokens = list(update.token_ids)
-                # Whatever piled up while the client was slow goes out in one message.
-                while update.finish_reason is None and not req.updates.empty():
-                    update = req.updates.get_nowait()
-                    tokens.extend(update.token_ids)
-                if update.finish_reason == "error":
-                    outcome = "error"
-                    raise PdserveError("decode step failed on the worker")
-                yield decode_pb2.DecodeResponse(
-                    token_ids=tokens,
-                    finish_reason=FINISH_REASONS.get(update.finish_reason,
-                                                     generate_pb2.FINISH_REASON_UNSPECIFIED))
-                if update.finish_reason is not None:
-                    outcome = "finished"
-                    return
+                entries = await outbox.take()
+                for entry in entries:
+                    if entry.last:
+                        started.pop(entry.request_id, None)
+                yield decode_pb2.StreamResponse(requests=[_to_proto(e) for e in entries])
         finally:
-            self.loop.abort(request.request_id)
-            self.loop.metrics.request_done(outcome)
+            reader.cancel()
+            for request_id, task in started.items():
+                task.cancel()
+                self.loop.abort(request_id)
+
+    async def _read_starts(self, requests: AsyncIterator[decode_pb2.StreamRequest],
+                           outbox: Outbox, started: dict[str, asyncio.Task]) -> None:
+        async for message in requests:
+            request_id = message.start.request_id
+            if request_id in started:
+                outbox.fail(request_id, grpc.StatusCode.INVALID_ARGUMENT,
+                            f"request {request_id!r} was already started on this stream")
+                continue
+            started[request_id] = asyncio.create_task(self._start(message.start, outbox))
+
+    async def _start(self, request: decode_pb2.DecodeRequest, outbox: Outbox) -> None:
+        """Checks a start, waits until its KV has landed, and hands it to the loop; a failure
+        ends that request alone, with its status."""
+        try:
+            params = sampling_from_proto(request.sampling)
+            prompt_ids = list(request.prompt_token_ids)
+            self._check_decode(request, params, prompt_ids)
+            res = await self.table.start_decoding(request.request_id)
+        except PdserveError as err:
+            outbox.fail(request.request_id, err.code, str(err))
+            self.loop.metrics.request_done(err.code.name.lower())
+            return
+        except Exception as err:  # noqa: BLE001 - a bug must end the request, not hang it
+            log.exception("decode start of %s failed", request.request_id)
+            outbox.fail(request.request_id, grpc.StatusCode.INTERNAL, f"decode start failed: {err}")
+            self.loop.metrics.request_done("error")
+            return
+        self.loop.add(DecodeRequest(request.request_id, res, params, prompt_ids,
+                                    [request.first_token_id], outbox,
+                                    output_offset=request.output_offset))
 
     def _check_decode(self, request: decode_pb2.DecodeRequest, params: SamplingParams,
                       prompt_ids: list[int]) -> None:
         """What a Decode call asks must fit its reservation, so that it can fail only itself."""
+        if not request.request_id:
+            raise InvalidRequest("request_id is required")
         res = self.table.get(request.request_id)
         vocab_size = self.runner.model_config.vocab_size
         check_sampling(params, vocab_size)
@@ -143,7 +176,8 @@ async def serve(config: DecodeConfig) -> None:
                              unseen_writes_possible=writes_unseen(engines),
                              metrics=metrics)
     metrics.watch_pool(runner.pool.allocator, lambda: table.held_pages)
-    loop = DecodeLoop(runner, table, config.max_running_requests, metrics)
+    loop = DecodeLoop(DecodeSteps(runner, config.max_running_requests), table,
+                      config.max_running_requests, metrics, overlap=config.overlap_scheduling)
     # Prefill workers write KV into our KVTransferService: on the main port, or on a port of its
     # own so a NetworkPolicy can open it to prefill pods alone.
     transfer_server = server

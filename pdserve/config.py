@@ -88,6 +88,9 @@ class DecodeConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     max_running_requests: int = setting(256, "largest decode batch")
+    overlap_scheduling: bool = setting(True, "prepare and launch decode step n+1 while step n "
+                                       "runs on the GPU (the host learns a step's tokens one "
+                                       "step late)")
     max_queued_reservations: int = setting(1024, "reservations waiting for pages before "
                                            "RESOURCE_EXHAUSTED")
     reserve_wait_s: float = setting(10.0, "how long a reservation waits for free KV pages "

@@ -48,4 +48,4 @@ def worker_info(runner: ModelRunner, role: str, worker: str, running: int, queue
         free_pages=allocator.num_free, running_requests=running, queued_requests=queued,
         reservations=reservations, attention_backend=runner.backend_name,
         kv_transfer_engines=engines, fenced_pages=fenced_pages,
-        leaked_pages=allocator.leaked(held_pages))
+        leaked_pages=allocator.leaked(held_pages), device=str(runner.device))

@@ -72,7 +72,8 @@ class Identity:
         on, and the token on every call when there is one."""
         # One interceptor object per kind of call: grpc files each object under one kind only.
         interceptors = [kind(self.token) for kind in (_UnaryToken, _UnaryStreamToken,
-                                                      _StreamUnaryToken)] if self.token else None
+                                                      _StreamUnaryToken, _StreamStreamToken)
+                        ] if self.token else None
         if not self.mutual_tls:
             return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
         credentials = grpc.ssl_channel_credentials(self.ca, self.key, self.cert)
@@ -122,6 +123,12 @@ class _UnaryStreamToken(_Token, grpc.aio.UnaryStreamClientInterceptor):
 class _StreamUnaryToken(_Token, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation: Callable, details: Any,
                                      request_iterator: Any) -> Any:
+        return await continuation(self._with_token(details), request_iterator)
+
+
+class _StreamStreamToken(_Token, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation: Callable, details: Any,
+                                      request_iterator: Any) -> Any:
         return await continuation(self._with_token(details), request_iterator)
 
 

@@ -21,8 +21,9 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
 
-    def push(self, token_id: int) -> str:
-        self.ids.append(token_id)
+    def push(self, *token_ids: int) -> str:
+        """Text the new tokens complete (one decode however many there are)."""
+        self.ids.extend(token_ids)
         return self._advance(final=False)
 
     def flush(self) -> str:
@@ -72,6 +73,8 @@ class OutputAssembler:
         return len(self.generated)
 
     def add(self, token_ids: list[int]) -> Chunk:
+        if not self.stop_strings:
+            return self._add_without_stop_strings(token_ids)
         chunk = Chunk()
         for token in token_ids:
             if self.finished:
@@ -87,6 +90,26 @@ class OutputAssembler:
                 self.finish_reason = reason
         if self.finish_reason == "length":
             self._append_text(self.detokenizer.flush())
+        chunk.text = self._release()
+        chunk.finish_reason = self.finish_reason
+        chunk.completion_tokens = self.completion_tokens
+        return chunk
+
+    def _add_without_stop_strings(self, token_ids: list[int]) -> Chunk:
+        """The same as ``add``, detokenizing the tokens at once: without stop strings no text
+        needs checking token by token (the router's per-token cost under load)."""
+        chunk = Chunk()
+        for token in token_ids:
+            if self.finished:
+                break
+            chunk.token_ids.append(token)
+            self.generated.append(token)
+            self.finish_reason = finish_reason(self.params, self.generated)
+        rendered = chunk.token_ids[:-1] if self.finish_reason == "stop" else chunk.token_ids
+        if rendered:
+            self.text += self.detokenizer.push(*rendered)
+        if self.finish_reason == "length":
+            self.text += self.detokenizer.flush()
         chunk.text = self._release()
         chunk.finish_reason = self.finish_reason
         chunk.completion_tokens = self.completion_tokens

@@ -68,19 +68,18 @@ class PairAttempt:
         return reply.first_token_id
 
     async def stream_decode(self, first_token: int,
-                            timeout_s: float | None) -> AsyncIterator[decode_pb2.DecodeResponse]:
-        """The decode worker's messages after ``first_token``; raises grpc.aio.AioRpcError."""
-        call = self.decode.stub.Decode(decode_pb2.DecodeRequest(
+                            timeout_s: float | None) -> AsyncIterator[decode_pb2.RequestTokens]:
+        """The decode worker's tokens after ``first_token``, through the worker's shared stream;
+        raises StreamError."""
+        stream = self.decode.decode_stream
+        assert stream is not None
+        request = decode_pb2.DecodeRequest(
             request_id=self.attempt_id, first_token_id=first_token, sampling=self.sampling,
-            prompt_token_ids=self.job.prompt_ids, output_offset=self.job.output_offset),
-            timeout=timeout_s)
-        try:
-            async for message in call:
-                if message.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
-                    self.decode_ended_stream = True
-                yield message
-        finally:
-            call.cancel()
+            prompt_token_ids=self.job.prompt_ids, output_offset=self.job.output_offset)
+        async for message in stream.decode(request, timeout_s):
+            if message.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
+                self.decode_ended_stream = True
+            yield message
 
     def release(self) -> None:
         """Frees the decode reservation once, in the background (a no-op after a finished

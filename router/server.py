@@ -18,6 +18,7 @@ from pdserve.security import Identity
 from pdserve.serving import make_server, serve_until_signal, start_metrics, worker_id
 from pdserve.tokenizer import Tokenizer, load_tokenizer
 from protos.pdserve.v1 import generate_pb2, generate_pb2_grpc
+from router.decode_stream import StreamError
 from router.output import Chunk, OutputAssembler
 from router.pair import PairAttempt, upstream
 from router.validation import GenerationJob, validate
@@ -228,7 +229,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
                 yield chunk
                 if output.finished:
                     return
-        except grpc.aio.AioRpcError as err:
+        except (grpc.aio.AioRpcError, StreamError) as err:
             if err.code() not in DECODE_LOST:
                 raise upstream(err, pair.decode) from err
             if err.code() in WORKER_GONE:

@@ -24,6 +24,7 @@ from pdserve.metrics import RouterMetrics
 from pdserve.models.config import ModelConfig
 from pdserve.security import Identity
 from protos.pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc, worker_pb2
+from router.decode_stream import DecodeStream
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class Worker:
     problem: str = "not probed yet"
     in_flight: int = 0
     info: worker_pb2.WorkerInfo | None = field(default=None, repr=False)
+    decode_stream: DecodeStream | None = field(default=None, repr=False)   # decode workers
 
 
 class WorkerPool:
@@ -82,7 +84,10 @@ class WorkerPool:
 
     def _add(self, role: str, address: str, source: str) -> None:
         ch = channel(address, self.identity)
-        self.workers[role].append(Worker(role, address, source, ch, STUBS[role](ch)))
+        worker = Worker(role, address, source, ch, STUBS[role](ch))
+        if role == "decode":
+            worker.decode_stream = DecodeStream(worker.stub, address)
+        self.workers[role].append(worker)
         log.info("%s worker %s added (from %s)", role, address, source)
 
     def healthy(self, role: str) -> list[Worker]:

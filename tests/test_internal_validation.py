@@ -37,7 +37,7 @@ def test_reserve_beyond_the_context_is_refused(cluster):
     (dict(sampling=worker_pb2.WorkerSampling(max_new_tokens=4, top_p=1.0,
                                              repetition_penalty=float("nan"))), "finite"),
 ], ids=["more tokens than reserved", "token outside vocab", "wrong prompt", "nan penalty"])
-def test_decode_that_does_not_fit_its_reservation_is_refused(cluster, change, message):
+def test_decode_start_that_does_not_fit_its_reservation_is_refused(cluster, change, message):
     decode = _decode(cluster)
     request_id = f"direct-{message}"
     decode.Reserve(decode_pb2.ReserveRequest(request_id=request_id, prompt_len=4,
@@ -47,11 +47,14 @@ def test_decode_that_does_not_fit_its_reservation_is_refused(cluster, change, me
         fields = dict(request_id=request_id, first_token_id=5, prompt_token_ids=[1, 2, 3, 4],
                       sampling=worker_pb2.WorkerSampling(max_new_tokens=4, top_p=1.0,
                                                          repetition_penalty=1.0))
-        with pytest.raises(grpc.RpcError) as info:
-            list(decode.Decode(decode_pb2.DecodeRequest(**{**fields, **change}), timeout=5,
-                               metadata=INTERNAL_METADATA))
-        assert info.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND)
-        assert message in info.value.details() or "not" in info.value.details()
+        start = decode_pb2.StreamRequest(start=decode_pb2.DecodeRequest(**{**fields, **change}))
+        responses = decode.Stream(iter([start]), timeout=5, metadata=INTERNAL_METADATA)
+        (answer,) = next(responses).requests
+        responses.cancel()
+        assert answer.request_id == request_id and not answer.token_ids
+        assert answer.error_code in (grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                                     grpc.StatusCode.NOT_FOUND.value[0])
+        assert message in answer.error_message or "not" in answer.error_message
     finally:
         decode.Release(decode_pb2.ReleaseRequest(request_id=request_id), timeout=5,
                        metadata=INTERNAL_METADATA)

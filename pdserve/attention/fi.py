@@ -14,6 +14,7 @@ import torch
 
 from pdserve.attention.base import AttentionBackend
 from pdserve.engine.batch import ForwardBatch
+from pdserve.engine.decode_slots import upload
 from pdserve.kvcache.pool import KVPool
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -36,11 +37,16 @@ class FlashInferBackend(AttentionBackend):
             self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores)
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.graph_wrappers: dict[int, Any] = {}
-        self._indices_staging: torch.Tensor | None = None   # set up with the CUDA graphs
+        self._planned = torch.cuda.Event()
+        self._planned.record()
 
     def _paged_kv(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(indptr, page indices, last page lengths) on the host, as plan() takes them. In
-        numpy: a handful of tiny torch CPU ops cost ~0.3 ms a decode step at batch 256."""
+        """(indptr, page indices, last page lengths) as plan() takes them: indptr and last
+        lengths on the host, indices on the device for decode steps. A batch built on the device
+        carries them; otherwise they come from the host page table, in numpy (a handful of tiny
+        torch CPU ops cost ~0.3 ms a decode step at batch 256)."""
+        if batch.kv_indices is not None:
+            return batch.kv_indptr_cpu, batch.kv_indices, batch.kv_last_page_len_cpu
         page_size = batch.page_size
         lens = batch.seq_lens_kv_cpu.numpy()
         pages = (lens + page_size - 1) // page_size
@@ -49,24 +55,24 @@ class FlashInferBackend(AttentionBackend):
         indptr = np.zeros(len(lens) + 1, dtype=np.int32)
         np.cumsum(pages, out=indptr[1:])
         last = lens - (pages - 1) * page_size
-        return (torch.from_numpy(indptr), torch.from_numpy(table[used]),
+        return (torch.from_numpy(indptr), torch.from_numpy(np.ascontiguousarray(table[used])),
                 torch.from_numpy(last.astype(np.int32, copy=False)))
 
     def _plan_decode(self, wrapper: Any, batch: ForwardBatch) -> None:
         indptr, indices, last = self._paged_kv(batch)
-        if self._indices_staging is not None and indices.numel() <= self._indices_staging.numel():
-            # plan() copies host page indices with a blocking copy, which waits for the GPU to
-            # finish the previous step; a device copy through page-locked staging does not.
-            n = indices.numel()
-            self._indices_uploaded.synchronize()  # the last upload has left the staging
-            self._indices_staging[:n].copy_(indices)
-            self._indices_device[:n].copy_(self._indices_staging[:n], non_blocking=True)
-            self._indices_uploaded.record()
-            indices = self._indices_device[:n]
+        if not indices.is_cuda:
+            # plan() would copy host indices with a copy that waits for the GPU to finish the
+            # previous step; one through page-locked memory does not.
+            indices = upload(indices.numpy(), self.pool.tensor.device)
         dtype = self.pool.tensor.dtype
+        # plan() stages its schedule in a page-locked host buffer and copies it up
+        # asynchronously: the last plan's copy must have left that buffer before it is rewritten
+        # (with overlap scheduling the host plans a step ahead of the GPU).
+        self._planned.synchronize()
         wrapper.plan(indptr, indices, last, self.num_heads, self.pool.layout.num_kv_heads,
                      self.head_dim, batch.page_size, q_data_type=dtype, kv_data_type=dtype,
-                     sm_scale=self.scale, seq_lens=batch.seq_lens_kv_cpu)
+                     sm_scale=self.scale, seq_lens=batch.seq_lens_kv_cpu, non_blocking=True)
+        self._planned.record()
 
     def prepare_metadata(self, batch: ForwardBatch) -> None:
         if batch.is_decode:
@@ -75,10 +81,12 @@ class FlashInferBackend(AttentionBackend):
             return
         indptr, indices, last = self._paged_kv(batch)
         dtype = self.pool.tensor.dtype
+        self._planned.synchronize()
         self.prefill_wrapper.plan(batch.cu_seqlens_q_cpu, indptr, indices, last, self.num_heads,
                                   self.pool.layout.num_kv_heads, self.head_dim, batch.page_size,
                                   causal=True, sm_scale=self.scale, q_data_type=dtype,
                                   kv_data_type=dtype)
+        self._planned.record()
         batch.attn_metadata = self.prefill_wrapper
 
     def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
@@ -88,10 +96,6 @@ class FlashInferBackend(AttentionBackend):
     # CUDA graphs (decode only)
     def init_capture_graph(self, max_seq_len: int, bs_list: list[int]) -> None:
         device = self.pool.tensor.device
-        most_pages = self.pool.num_pages + max(bs_list)
-        self._indices_staging = torch.zeros(most_pages, dtype=torch.int32).pin_memory()
-        self._indices_device = torch.zeros(most_pages, dtype=torch.int32, device=device)
-        self._indices_uploaded = torch.cuda.Event()
         for bs in bs_list:
             # A step never references more pages than the pool has, plus one per padding row.
             max_pages = min(bs * -(-max_seq_len // self.pool.page_size), self.pool.num_pages + bs)

@@ -3,10 +3,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from pdserve.engine.decode_slots import DecodeSlots
 
 
 @dataclass
@@ -40,6 +43,11 @@ class ForwardBatch:
     cu_seqlens_q_cpu: torch.Tensor | None = None
     seq_lens_kv_cpu: torch.Tensor | None = None
     page_table_cpu: torch.Tensor | None = None
+    # A decode step built on the device (`from_slots`): the flattened pages in use, on the
+    # device, with their row offsets and last-page fill on the host, as FlashInfer plans them.
+    kv_indices: torch.Tensor | None = None
+    kv_indptr_cpu: torch.Tensor | None = None
+    kv_last_page_len_cpu: torch.Tensor | None = None
     attn_metadata: Any = field(default=None)
     # Called with l once layer l's K/V are in the pool (enqueued, on the GPU): layer-wise KV
     # sends start there. Never set in CUDA graph captures.
@@ -125,4 +133,55 @@ class ForwardBatch:
             cu_seqlens_q_cpu=cu_seqlens_q,
             seq_lens_kv_cpu=seq_lens_kv,
             page_table_cpu=page_table,
+        )
+
+    @classmethod
+    def from_slots(cls, slots: DecodeSlots, slot_index: torch.Tensor,
+                   seq_lens: np.ndarray) -> ForwardBatch:
+        """A decode step over the requests in ``slot_index`` (a device tensor; padding rows
+        name the padding slot), their inputs read from the slots on the device. ``seq_lens``:
+        each row's cached tokens after the step, on the host (the host keeps count; it never
+        needs a step's sampled tokens to plan the next one)."""
+        n = len(seq_lens)
+        page_size = slots.page_size
+        device = slot_index.device
+        positions = slots.positions[slot_index]
+        pages_per_row = (seq_lens + page_size - 1) // page_size
+        max_pages = int(pages_per_row.max())
+        page_table = slots.page_table[slot_index, :max_pages]
+        out_slots = (page_table.gather(1, (positions // page_size)[:, None])[:, 0].long()
+                     * page_size + positions % page_size)
+        indptr = np.zeros(n + 1, dtype=np.int32)
+        np.cumsum(pages_per_row, out=indptr[1:])
+        total_pages = int(indptr[-1])
+        # The flattened page list, gathered on the device from the page table: no host work per
+        # page. Row r's pages sit at [indptr[r], indptr[r + 1]).
+        pages_dev = positions // page_size + 1
+        row_of_page = torch.repeat_interleave(torch.arange(n, device=device), pages_dev,
+                                              output_size=total_pages)
+        first_of_row = torch.cumsum(pages_dev, 0) - pages_dev
+        kv_indices = page_table[row_of_page, torch.arange(total_pages, device=device)
+                                - first_of_row[row_of_page]]
+        rows = torch.arange(n, dtype=torch.long, device=device)
+        cu_seqlens_q_cpu = torch.arange(n + 1, dtype=torch.int32)
+        seq_lens_cpu = torch.from_numpy(seq_lens.astype(np.int32, copy=False))
+        return cls(
+            is_decode=True,
+            input_ids=slots.tokens[slot_index],
+            positions=positions,
+            seq_ids=rows,
+            cu_seqlens_q=torch.arange(n + 1, dtype=torch.int32, device=device),
+            seq_lens_kv=(positions + 1).to(torch.int32),
+            page_table=page_table,
+            out_slots=out_slots,
+            logits_indices=rows,
+            max_seqlen_q=1,
+            max_seqlen_kv=int(seq_lens.max()),
+            page_size=page_size,
+            cu_seqlens_q_cpu=cu_seqlens_q_cpu,
+            seq_lens_kv_cpu=seq_lens_cpu,
+            kv_indices=kv_indices,
+            kv_indptr_cpu=torch.from_numpy(indptr),
+            kv_last_page_len_cpu=torch.from_numpy(
+                (seq_lens - (pages_per_row - 1) * page_size).astype(np.int32)),
         )

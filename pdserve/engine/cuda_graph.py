@@ -1,8 +1,8 @@
 """CUDA graphs for decode: the whole forward (embedding to logits) captured once per batch size.
 
 A step's batch is padded to the next captured size with rows that attend to one token of the
-null page (page 0, never handed out), its inputs are copied into the graph's fixed buffers, the
-attention backend re-plans its fixed metadata buffers, and the graph is replayed. This object
+null page (page 0, never handed out), its inputs are copied on the device into the graph's fixed
+buffers, the attention backend re-plans its fixed metadata buffers, and the graph is replayed. This object
 owns every capture and replay buffer.
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 
 from pdserve.attention.base import AttentionBackend
 from pdserve.engine.batch import ForwardBatch, SeqInput
+from pdserve.engine.decode_slots import upload
 from pdserve.kvcache.pool import NULL_PAGE, KVPool
 from pdserve.models.llama import CausalLM
 
@@ -41,12 +42,8 @@ class CudaGraphRunner:
         self.max_bs = self.bs_list[-1]
         device = pool.tensor.device
         self.logits_indices = torch.arange(self.max_bs, dtype=torch.long, device=device)
-        # Page-locked staging rows, so the step's inputs go up with one asynchronous copy that
-        # does not wait for the previous step's kernels.
-        self.host_inputs = torch.zeros(3, self.max_bs, dtype=torch.long).pin_memory()
-        self.device_inputs = torch.zeros(3, self.max_bs, dtype=torch.long, device=device)
-        self.input_ids, self.positions, self.out_slots = self.device_inputs
-        self._inputs_copied = torch.cuda.Event()
+        self.input_ids, self.positions, self.out_slots = torch.zeros(
+            3, self.max_bs, dtype=torch.long, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         started = time.perf_counter()
@@ -75,16 +72,21 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
 
     def _static_batch(self, seqs: list[SeqInput]) -> ForwardBatch:
-        """The step's batch with its per-token inputs in the graph's fixed buffers."""
+        """A batch of host inputs (captures, and steps given as SeqInputs) in the graph's
+        fixed buffers."""
         host = ForwardBatch.build(seqs, self.pool.page_size, torch.device("cpu"))
-        n = len(seqs)
-        self._inputs_copied.synchronize()  # the last step's upload has left the staging rows
-        self.host_inputs[0, :n] = host.input_ids
-        self.host_inputs[1, :n] = host.positions
-        self.host_inputs[2, :n] = host.out_slots
-        self.device_inputs[:, :n].copy_(self.host_inputs[:, :n], non_blocking=True)
-        self._inputs_copied.record()
-        return dataclasses.replace(host, is_decode=True, input_ids=self.input_ids[:n],
+        return self._into_buffers(dataclasses.replace(
+            host, input_ids=upload(host.input_ids.numpy(), self.input_ids.device),
+            positions=upload(host.positions.numpy(), self.input_ids.device),
+            out_slots=upload(host.out_slots.numpy(), self.input_ids.device)))
+
+    def _into_buffers(self, batch: ForwardBatch) -> ForwardBatch:
+        """``batch`` with its per-token inputs copied (on the device) into the fixed buffers."""
+        n = batch.batch_size
+        self.input_ids[:n].copy_(batch.input_ids)
+        self.positions[:n].copy_(batch.positions)
+        self.out_slots[:n].copy_(batch.out_slots)
+        return dataclasses.replace(batch, is_decode=True, input_ids=self.input_ids[:n],
                                    positions=self.positions[:n], out_slots=self.out_slots[:n],
                                    logits_indices=self.logits_indices[:n])
 
@@ -92,11 +94,21 @@ class CudaGraphRunner:
         return len(seqs) <= self.max_bs and all(
             len(s.token_ids) == 1 and s.start_pos > 0 for s in seqs)
 
+    def padded_size(self, batch_size: int) -> int:
+        """The captured batch size a step of ``batch_size`` rows runs at."""
+        return next(size for size in self.bs_list if size >= batch_size)
+
     def replay(self, seqs: list[SeqInput]) -> torch.Tensor:
         """Logits [len(seqs), vocab] of one decode step (valid until the next replay)."""
         n = len(seqs)
-        bs = next(size for size in self.bs_list if size >= n)
-        batch = self._static_batch(seqs + [PADDING_ROW] * (bs - n))
+        bs = self.padded_size(n)
+        return self.replay_batch(self._static_batch(seqs + [PADDING_ROW] * (bs - n)))[:n]
+
+    def replay_batch(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [batch_size, vocab] of a decode step already padded to a captured size, its
+        inputs on the device (valid until the next replay)."""
+        bs = batch.batch_size
+        batch = self._into_buffers(batch)
         self.attn.prepare_for_replay(batch)
         self.graphs[bs].replay()
-        return self.outputs[bs][:n]
+        return self.outputs[bs]

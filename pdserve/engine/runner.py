@@ -38,6 +38,10 @@ class ModelRunner:
         if config.torch_threads > 0:
             torch.set_num_threads(config.torch_threads)
         self.device = resolve_device(config.device)
+        if self.device.type == "cuda":
+            # Kernels, graph captures and allocations that name no device go to the current
+            # one: it must be ours (decode on cuda:1 failed to capture without this).
+            torch.cuda.set_device(self.device)
         self.model = load_model(config.model, config.dtype, self.device, config.seed,
                                 fused_rope_kv=config.fused_rope_kv, triton_gemv=config.triton_gemv)
         self.model_config = self.model.config

@@ -38,13 +38,31 @@ class DecodeRequest(_message.Message):
     output_offset: int
     def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_worker_pb2.WorkerSampling, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_offset: _Optional[int] = ...) -> None: ...
 
-class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "finish_reason")
+class StreamRequest(_message.Message):
+    __slots__ = ("start",)
+    START_FIELD_NUMBER: _ClassVar[int]
+    start: DecodeRequest
+    def __init__(self, start: _Optional[_Union[DecodeRequest, _Mapping]] = ...) -> None: ...
+
+class StreamResponse(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[RequestTokens]
+    def __init__(self, requests: _Optional[_Iterable[_Union[RequestTokens, _Mapping]]] = ...) -> None: ...
+
+class RequestTokens(_message.Message):
+    __slots__ = ("request_id", "token_ids", "finish_reason", "error_code", "error_message")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _generate_pb2.FinishReason
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ...) -> None: ...
+    error_code: int
+    error_message: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id",)

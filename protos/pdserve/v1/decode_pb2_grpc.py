@@ -40,10 +40,10 @@ class DecodeServiceStub:
                 request_serializer=protos_dot_pdserve_dot_v1_dot_decode__pb2.ReserveRequest.SerializeToString,
                 response_deserializer=protos_dot_pdserve_dot_v1_dot_decode__pb2.ReserveResponse.FromString,
                 _registered_method=True)
-        self.Decode = channel.unary_stream(
-                '/pdserve.v1.DecodeService/Decode',
-                request_serializer=protos_dot_pdserve_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=protos_dot_pdserve_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
+        self.Stream = channel.stream_stream(
+                '/pdserve.v1.DecodeService/Stream',
+                request_serializer=protos_dot_pdserve_dot_v1_dot_decode__pb2.StreamRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve_dot_v1_dot_decode__pb2.StreamResponse.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
                 '/pdserve.v1.DecodeService/Release',
@@ -69,10 +69,13 @@ class DecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Decode(self, request, context):
-        """Generates from a reservation whose KV has landed (waiting for a sender's
-        Landed after a pending commit); the stream ends with a finish reason.
-        Cancelling it frees the request's pages.
+    def Stream(self, request_iterator, context):
+        """One stream per router connection, for every request it decodes here. The router
+        starts requests on it; each decode step sends at most one message, carrying the new
+        tokens of every request of this stream that has some (requests whose tokens piled
+        up while the router was slow have theirs merged). A start whose reservation has not
+        landed waits for the sender's Landed. When the stream ends, its requests are
+        cancelled and their pages freed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -99,10 +102,10 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     request_deserializer=protos_dot_pdserve_dot_v1_dot_decode__pb2.ReserveRequest.FromString,
                     response_serializer=protos_dot_pdserve_dot_v1_dot_decode__pb2.ReserveResponse.SerializeToString,
             ),
-            'Decode': grpc.unary_stream_rpc_method_handler(
-                    servicer.Decode,
-                    request_deserializer=protos_dot_pdserve_dot_v1_dot_decode__pb2.DecodeRequest.FromString,
-                    response_serializer=protos_dot_pdserve_dot_v1_dot_decode__pb2.DecodeResponse.SerializeToString,
+            'Stream': grpc.stream_stream_rpc_method_handler(
+                    servicer.Stream,
+                    request_deserializer=protos_dot_pdserve_dot_v1_dot_decode__pb2.StreamRequest.FromString,
+                    response_serializer=protos_dot_pdserve_dot_v1_dot_decode__pb2.StreamResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -153,7 +156,7 @@ class DecodeService:
             _registered_method=True)
 
     @staticmethod
-    def Decode(request,
+    def Stream(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -163,12 +166,12 @@ class DecodeService:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
-            '/pdserve.v1.DecodeService/Decode',
-            protos_dot_pdserve_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
-            protos_dot_pdserve_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
+            '/pdserve.v1.DecodeService/Stream',
+            protos_dot_pdserve_dot_v1_dot_decode__pb2.StreamRequest.SerializeToString,
+            protos_dot_pdserve_dot_v1_dot_decode__pb2.StreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

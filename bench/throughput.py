@@ -1,0 +1,176 @@
+"""End-to-end throughput through the public API: mini-sglang's offline workload against
+`pdserve up` (or a running router), with TTFT/ITL percentiles and the decode worker's own view.
+
+The workload is mini-sglang's `benchmark/offline/bench.py` draw for draw (random.seed(0): 256
+prompts of 100..1024 ids in [0, 10000], 100..1024 output tokens each, temperature 0.6,
+ignore_eos, all submitted at once), so `../shared/peers/minisgl_bench.py` on the same model
+folder measures the very same requests. Clients run in several processes (grpc.aio each), so
+the client is never what limits the figure.
+
+    python bench/throughput.py --model /tmp/q06 --up-args "--kv-cache-gb 40"
+    python bench/throughput.py --model /tmp/q06 --up-args "--prefill-devices cuda:0 --decode-devices cuda:1"
+    python bench/throughput.py --model /tmp/q06 --peer-json minisgl.json   # adds the ratio
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import random
+import re
+import signal
+import statistics
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import start_up, write_results  # noqa: E402
+
+
+def workload(num_seqs: int, max_input: int, max_output: int) -> tuple[list[list[int]], list[int]]:
+    """mini-sglang's draws, in its order: every prompt, then every output length."""
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, max_input))]
+               for _ in range(num_seqs)]
+    outputs = [random.randint(100, max_output) for _ in range(num_seqs)]
+    return prompts, outputs
+
+
+async def _run_requests(router: str, jobs: list[tuple[list[int], int]], temperature: float,
+                        start_at: float) -> list[dict]:
+    import grpc
+
+    from protos.pdserve.v1 import generate_pb2, generate_pb2_grpc
+
+    async with grpc.aio.insecure_channel(router, options=[
+            ("grpc.max_receive_message_length", 64 << 20)]) as channel:
+        stub = generate_pb2_grpc.GenerationServiceStub(channel)
+        await stub.GetModelInfo(generate_pb2.GetModelInfoRequest())   # connected before the start
+
+        async def one(index: int, prompt: list[int], max_new: int) -> dict:
+            request = generate_pb2.GenerateRequest(
+                token_ids=generate_pb2.TokenIds(ids=prompt), stream=True,
+                sampling=generate_pb2.SamplingParams(max_new_tokens=max_new, ignore_eos=True,
+                                                     temperature=temperature, seed=index))
+            started = time.time()
+            first = None
+            tokens = 0
+            async for response in stub.Generate(request, timeout=3600):
+                if first is None and response.token_ids:
+                    first = time.time()
+                tokens += len(response.token_ids)
+            end = time.time()
+            return {"start": started, "first": first or end, "end": end, "tokens": tokens}
+
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        return await asyncio.gather(*(one(i, p, n) for i, p, n in jobs))
+
+
+def _client(args: tuple) -> list[dict]:
+    router, jobs, temperature, start_at = args
+    return asyncio.run(_run_requests(router, jobs, temperature, start_at))
+
+
+def run_clients(router: str, prompts: list[list[int]], outputs: list[int], temperature: float,
+                processes: int) -> tuple[list[dict], float]:
+    jobs = [(i, p, n) for i, (p, n) in enumerate(zip(prompts, outputs))]
+    shares = [jobs[k::processes] for k in range(processes)]
+    start_at = time.time() + 3.0   # every client connected and waiting: all submitted at once
+    with multiprocessing.get_context("spawn").Pool(processes) as pool:
+        parts = pool.map(_client, [(router, share, temperature, start_at) for share in shares])
+    results = [r for part in parts for r in part]
+    return results, max(r["end"] for r in results) - start_at
+
+
+def scrape(metrics_address: str) -> dict[str, float]:
+    """The decode worker's step count, step time and batch size series (summed over labels)."""
+    text = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10).read().decode()
+    wanted = {"pdserve_decode_steps_total", "pdserve_step_duration_seconds_sum",
+              "pdserve_step_duration_seconds_count", "pdserve_decode_batch_size_sum",
+              "pdserve_decode_batch_size_count", "pdserve_generated_tokens_total"}
+    values = dict.fromkeys(wanted, 0.0)
+    for line in text.splitlines():
+        match = re.match(r"([a-z_]+)(\{[^}]*\})? ([0-9.e+-]+)$", line)
+        if match and match[1] in wanted:
+            values[match[1]] += float(match[3])
+    return values
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    cuts = statistics.quantiles(values, n=100) if len(values) > 1 else values * 99
+    return {f"p{q}": round(cuts[q - 1], 2) for q in (50, 90, 99)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny", help="model folder or preset")
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--max-input", type=int, default=1024)
+    parser.add_argument("--max-output", type=int, default=1024)
+    parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument("--clients", type=int, default=8, help="client processes")
+    parser.add_argument("--up-args", default="", help="more flags for pdserve up")
+    parser.add_argument("--router", default="", help="use this running router instead of "
+                        "starting pdserve up (no decode metrics then)")
+    parser.add_argument("--peer-json", default="", help="the peer's figure from the same run "
+                        "(../shared/peers/minisgl_bench.py's JSON), for the ratio")
+    parser.add_argument("--label", default="", help="name of this configuration in the JSON")
+    parser.add_argument("--out", default="bench/results/throughput.json")
+    args = parser.parse_args()
+
+    prompts, outputs = workload(args.num_seqs, args.max_input, args.max_output)
+    process = None
+    decode_metrics = ""
+    router = args.router
+    if not router:
+        process, router, metrics = start_up(["--model", args.model, *args.up_args.split()])
+        decode_metrics = metrics.get("decode", "")
+    try:
+        # Warm-up: one short request (first kernels, connections).
+        run_clients(router, [prompts[0][:16]], [4], args.temperature, 1)
+        before = scrape(decode_metrics) if decode_metrics else None
+        results, wall_s = run_clients(router, prompts, outputs, args.temperature, args.clients)
+        after = scrape(decode_metrics) if decode_metrics else None
+    finally:
+        if process is not None:
+            process.send_signal(signal.SIGTERM)
+            process.wait(120)
+
+    tokens = sum(r["tokens"] for r in results)
+    expected = sum(outputs)
+    row = {
+        "label": args.label or args.up_args or "default",
+        "model": args.model, "seqs": len(results), "output_tokens": tokens,
+        "output_tokens_expected": expected, "wall_s": round(wall_s, 2),
+        "throughput_tok_s": round(tokens / wall_s, 1),
+        "ttft_ms": percentiles([(r["first"] - r["start"]) * 1e3 for r in results]),
+        "itl_ms": percentiles([(r["end"] - r["first"]) * 1e3 / max(r["tokens"] - 1, 1)
+                               for r in results]),
+    }
+    if before is not None and after is not None:
+        delta = {k: after[k] - before[k] for k in after}
+        steps = delta["pdserve_step_duration_seconds_count"] or 1
+        row["decode"] = {
+            "steps": int(delta["pdserve_decode_steps_total"]),
+            "step_ms_mean": round(delta["pdserve_step_duration_seconds_sum"] / steps * 1e3, 2),
+            "busy_s": round(delta["pdserve_step_duration_seconds_sum"], 2),
+            "batch_mean": round(delta["pdserve_decode_batch_size_sum"]
+                                / (delta["pdserve_decode_batch_size_count"] or 1), 1),
+        }
+    if args.peer_json:
+        peer = json.loads(Path(args.peer_json).read_text())
+        row["peer"] = peer
+        row["ratio_to_peer"] = round(row["throughput_tok_s"] / peer["throughput_tok_s"], 3)
+    print(json.dumps(row), flush=True)
+    if tokens != expected:
+        print(f"warning: {tokens} tokens generated, {expected} requested", file=sys.stderr)
+    write_results(args.out, "throughput", row)
+
+
+if __name__ == "__main__":
+    main()

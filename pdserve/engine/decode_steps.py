@@ -1,0 +1,96 @@
+"""Decode steps launched from device-resident slots, collected one step later.
+
+``launch(plan)`` enqueues a whole step (the joins' slot writes, the inputs gathered from the
+slots, the forward or its CUDA graph, sampling, the sampled tokens written back as the next inputs
+and copied to page-locked host memory) and returns without waiting for the GPU. ``tokens()`` on
+the returned step waits for it. A scheduler that launches step n+1 before collecting step n keeps
+the GPU busy while the host handles step n's tokens (overlap scheduling).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pdserve.engine.batch import ForwardBatch
+from pdserve.engine.decode_slots import DecodeSlots, SlotJoin, upload
+from pdserve.engine.runner import ModelRunner
+from pdserve.engine.sampling import sample_tensors
+
+
+@dataclass
+class StepPlan:
+    """What the scheduler decided for one step: the rows, in order."""
+
+    slots: list[int]          # each row's slot
+    seq_lens: list[int]       # each row's cached tokens once the step has run (position + 1)
+    joins: list[SlotJoin]     # slots (re)filled before the step
+
+
+@dataclass
+class LaunchedStep:
+    batch_size: int
+    mode: str                          # "cuda_graph" or "eager"
+    tokens_out: torch.Tensor           # [>= batch_size] int64 on the host (page-locked on CUDA)
+    done: torch.cuda.Event | None
+
+    def tokens(self) -> list[int]:
+        """The step's sampled tokens, one per row (waits for the step)."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self.tokens_out[:self.batch_size].tolist()
+
+
+class DecodeSteps:
+    def __init__(self, runner: ModelRunner, max_slots: int) -> None:
+        self.runner = runner
+        cfg = runner.model_config
+        self.slots = DecodeSlots(max_slots, runner.pool.pages_for(cfg.max_model_len),
+                                 cfg.vocab_size, runner.pool.page_size, runner.device)
+        self.on_cuda = runner.device.type == "cuda"
+        graphs = runner.graphs
+        max_rows = max(max_slots, graphs.max_bs if graphs else 0)
+        # Two page-locked landing buffers, used in turn: a step's tokens stay readable while the
+        # next step's copy is in flight.
+        self._tokens_out = [torch.zeros(max_rows, dtype=torch.long, pin_memory=self.on_cuda)
+                            for _ in range(2)]
+        self._launched = 0
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        runner = self.runner
+        slots = self.slots
+        slots.join(plan.joins)
+        n = len(plan.slots)
+        graphs = runner.graphs
+        use_graph = graphs is not None and n <= graphs.max_bs
+        padded = graphs.padded_size(n) if use_graph else n
+        slot_ids = np.full(padded, slots.padding_slot, dtype=np.int64)
+        slot_ids[:n] = plan.slots
+        seq_lens = np.ones(padded, dtype=np.int64)
+        seq_lens[:n] = plan.seq_lens
+        slot_index = upload(slot_ids, runner.device)
+        batch = ForwardBatch.from_slots(slots, slot_index, seq_lens)
+        if use_graph:
+            logits = graphs.replay_batch(batch)[:n]
+        else:
+            runner.attn.prepare_metadata(batch)
+            logits = runner.model(batch, runner.attn)
+        rows = slot_index[:n]
+        st = slots.sampling(rows, plan.slots)
+        tokens = sample_tensors(logits, st, slots.seen_rows(rows) if st.any_penalty else None)
+        slots.advance(rows, tokens)
+        out = self._tokens_out[self._launched % 2]
+        self._launched += 1
+        out[:n].copy_(tokens, non_blocking=self.on_cuda)
+        done = None
+        if self.on_cuda:
+            done = torch.cuda.Event()
+            done.record()
+        return LaunchedStep(n, "cuda_graph" if use_graph else "eager", out, done)
+
+    def wait_idle(self) -> None:
+        """Returns once the device has finished everything launched."""
+        if self.on_cuda:
+            torch.cuda.synchronize(self.runner.device)

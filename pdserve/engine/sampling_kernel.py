@@ -1,0 +1,80 @@
+"""One Triton kernel for the common sampling row: argmax(logits / T + Gumbel(seed, step, token)).
+
+One program per row reads the row's logits once, hashes the noise in registers (the same
+murmur3-based counter as `sampling.uniform_noise`, in uint32) and keeps a running argmax; a greedy
+row (T = 0) skips the noise. No [batch, vocab] intermediate is ever written.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 2048
+
+
+@functools.cache
+def supported() -> bool:
+    return torch.cuda.is_available()
+
+
+@triton.jit
+def _mix32(x):
+    x = x ^ (x >> 16)
+    x = x * 0x85EBCA6B
+    x = x ^ (x >> 13)
+    x = x * 0xC2B2AE35
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _gumbel_argmax(logits, stride, vocab, temperature, seed_lo, seed_hi, step, out,
+                   BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    base = logits + row.to(tl.int64) * stride
+    temp = tl.load(temperature + row)
+    offsets = tl.arange(0, BLOCK)
+    best = tl.full((), float("-inf"), tl.float32)
+    best_index = tl.full((), 0, tl.int32)
+    if temp > 0:
+        inv_temp = 1.0 / temp
+        h = _mix32(tl.load(seed_hi + row).to(tl.uint32) ^ 0x6A09E667)
+        h = _mix32((h * 0x01000193) ^ tl.load(seed_lo + row).to(tl.uint32))
+        h = _mix32((h * 0x01000193) ^ tl.load(step + row).to(tl.uint32))
+        h = h * 0x01000193
+        for start in range(0, vocab, BLOCK):
+            index = start + offsets
+            valid = index < vocab
+            x = tl.load(base + index, mask=valid, other=float("-inf"))
+            bits = _mix32(h ^ index.to(tl.uint32))
+            uniform = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+            score = x * inv_temp - tl.log(-tl.log(uniform))
+            score = tl.where(valid, score, float("-inf"))
+            block_best = tl.max(score, axis=0)
+            block_index = tl.argmax(score, axis=0, tie_break_left=True)
+            take = block_best > best
+            best_index = tl.where(take, start + block_index, best_index)
+            best = tl.where(take, block_best, best)
+    else:
+        for start in range(0, vocab, BLOCK):
+            index = start + offsets
+            x = tl.load(base + index, mask=index < vocab, other=float("-inf"))
+            block_best = tl.max(x, axis=0)
+            block_index = tl.argmax(x, axis=0, tie_break_left=True)
+            take = block_best > best
+            best_index = tl.where(take, start + block_index, best_index)
+            best = tl.where(take, block_best, best)
+    tl.store(out + row, best_index.to(tl.int64))
+
+
+def gumbel_argmax_cuda(logits: torch.Tensor, temperature: torch.Tensor, seed_lo: torch.Tensor,
+                       seed_hi: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """logits [batch, vocab] float32 (rows may be strided) -> [batch] int64 token ids."""
+    assert logits.stride(1) == 1
+    out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    if logits.shape[0]:
+        _gumbel_argmax[(logits.shape[0],)](logits, logits.stride(0), logits.shape[1],
+                                           temperature, seed_lo, seed_hi, step, out, BLOCK=BLOCK)
+    return out
