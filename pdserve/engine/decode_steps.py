@@ -59,6 +59,10 @@ class DecodeSteps:
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> LaunchedStep:
+        with self.runner.on_device():
+            return self._launch(plan)
+
+    def _launch(self, plan: StepPlan) -> LaunchedStep:
         runner = self.runner
         slots = self.slots
         slots.join(plan.joins)

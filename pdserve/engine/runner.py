@@ -1,6 +1,7 @@
 """The model runner: turns a step's sequences into tensors, runs the model, samples."""
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,9 +21,13 @@ log = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> torch.device:
+    """``name`` as a device with an index where it is a GPU (auto: cuda if available)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 @dataclass
@@ -84,23 +89,30 @@ class ModelRunner:
         return (not eager and on_layer is None and self.graphs is not None
                 and self.graphs.can_run(seqs))
 
+    def on_device(self) -> contextlib.AbstractContextManager:
+        """Makes our GPU the current device of the calling thread (worker threads start on
+        device 0; events, streams and kernels that name no device follow the current one)."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
     @torch.inference_mode()
     def forward(self, seqs: list[SeqInput], on_layer: Callable[[int], None] | None = None,
                 eager: bool = False) -> torch.Tensor:
         """Runs one step; returns float32 logits of each sequence's last new token.
         ``on_layer(l)`` is called once layer l's K/V are in the pool (eager steps only);
         ``eager`` runs the step without CUDA graphs even where one could replay."""
-        if self.graph_mode(seqs, on_layer, eager):
-            return self.graphs.replay(seqs)  # type: ignore[union-attr]
-        batch = ForwardBatch.build(seqs, self.pool.page_size, self.device)
-        batch.on_layer = on_layer
-        self.attn.prepare_metadata(batch)
-        return self.model(batch, self.attn)
+        with self.on_device():
+            if self.graph_mode(seqs, on_layer, eager):
+                return self.graphs.replay(seqs)  # type: ignore[union-attr]
+            batch = ForwardBatch.build(seqs, self.pool.page_size, self.device)
+            batch.on_layer = on_layer
+            self.attn.prepare_metadata(batch)
+            return self.model(batch, self.attn)
 
     @torch.inference_mode()
     def step(self, seqs: list[SeqInput], rows: list[SampleRow],
              on_layer: Callable[[int], None] | None = None, eager: bool = False) -> StepResult:
         """Runs one step and samples one token per sequence."""
         mode = "cuda_graph" if self.graph_mode(seqs, on_layer, eager) else "eager"
-        tokens = sample(self.forward(seqs, on_layer, eager), rows)
+        with self.on_device():
+            tokens = sample(self.forward(seqs, on_layer, eager), rows)
         return StepResult(tokens.tolist(), mode)  # the step's one host sync: the chosen ids

@@ -30,19 +30,20 @@ def _mix32(x):
 
 
 @triton.jit
-def _gumbel_argmax(logits, stride, vocab, temperature, seed_lo, seed_hi, step, out,
+def _gumbel_argmax(logits, stride, temperature, temperature_stride, seed_lo, seed_lo_stride,
+                   seed_hi, seed_hi_stride, step, step_stride, out, vocab: tl.constexpr,
                    BLOCK: tl.constexpr):
     row = tl.program_id(0)
     base = logits + row.to(tl.int64) * stride
-    temp = tl.load(temperature + row)
+    temp = tl.load(temperature + row * temperature_stride)
     offsets = tl.arange(0, BLOCK)
     best = tl.full((), float("-inf"), tl.float32)
     best_index = tl.full((), 0, tl.int32)
     if temp > 0:
         inv_temp = 1.0 / temp
-        h = _mix32(tl.load(seed_hi + row).to(tl.uint32) ^ 0x6A09E667)
-        h = _mix32((h * 0x01000193) ^ tl.load(seed_lo + row).to(tl.uint32))
-        h = _mix32((h * 0x01000193) ^ tl.load(step + row).to(tl.uint32))
+        h = _mix32(tl.load(seed_hi + row * seed_hi_stride).to(tl.uint32) ^ 0x6A09E667)
+        h = _mix32((h * 0x01000193) ^ tl.load(seed_lo + row * seed_lo_stride).to(tl.uint32))
+        h = _mix32((h * 0x01000193) ^ tl.load(step + row * step_stride).to(tl.uint32))
         h = h * 0x01000193
         for start in range(0, vocab, BLOCK):
             index = start + offsets
@@ -71,10 +72,14 @@ def _gumbel_argmax(logits, stride, vocab, temperature, seed_lo, seed_hi, step, o
 
 def gumbel_argmax_cuda(logits: torch.Tensor, temperature: torch.Tensor, seed_lo: torch.Tensor,
                        seed_hi: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-    """logits [batch, vocab] float32 (rows may be strided) -> [batch] int64 token ids."""
+    """logits [batch, vocab] float32 (rows may be strided) -> [batch] int64 token ids; the
+    per-row tensors are [batch] (float32 temperature, int64 others)."""
     assert logits.stride(1) == 1
     out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     if logits.shape[0]:
-        _gumbel_argmax[(logits.shape[0],)](logits, logits.stride(0), logits.shape[1],
-                                           temperature, seed_lo, seed_hi, step, out, BLOCK=BLOCK)
+        # The per-row parameters are often strided views (columns of one parameter table).
+        _gumbel_argmax[(logits.shape[0],)](
+            logits, logits.stride(0), temperature, temperature.stride(0), seed_lo,
+            seed_lo.stride(0), seed_hi, seed_hi.stride(0), step, step.stride(0), out,
+            vocab=logits.shape[1], BLOCK=BLOCK)
     return out
