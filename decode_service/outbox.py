@@ -1,8 +1,9 @@
-"""What one decode stream owes its router: each request's tokens since the stream's last message.
+"""What one decode stream owes its router: every request's tokens since the stream's last message.
 
-The decode loop puts every request's new tokens after a step; the stream's writer takes them all
-as one message. Tokens of a request that pile up while the writer waits (a slow router) merge
-into one entry, so a message never lags more than one step behind however slow its reader.
+The decode loop puts each step's tokens of all requests of the stream at once (two flat lists);
+the stream's writer takes everything pending as one message. Steps that pile up while the writer
+waits (a slow router) go out together, so a message never lags more than one step behind however
+slow its reader.
 """
 from __future__ import annotations
 
@@ -13,46 +14,42 @@ import grpc
 
 
 @dataclass
-class Entry:
+class Final:
+    """A request's last entry: its last tokens and why it finished, or the error that ends it."""
+
     request_id: str
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None     # "length" or "stop" on a request's last entry
-    error: tuple[grpc.StatusCode, str] | None = None   # ends the request instead
-
-    @property
-    def last(self) -> bool:
-        return self.finish_reason is not None or self.error is not None
+    finish_reason: str | None = None     # "length" or "stop"
+    error: tuple[grpc.StatusCode, str] | None = None
 
 
 class Outbox:
     def __init__(self) -> None:
-        self._pending: dict[str, Entry] = {}
+        self._request_ids: list[str] = []
+        self._token_ids: list[int] = []
+        self._finals: dict[str, Final] = {}
         self._ready = asyncio.Event()
 
-    def put(self, request_id: str, token_ids: list[int], finish_reason: str | None = None) -> None:
-        entry = self._entry(request_id)
-        if entry is not None:
-            entry.token_ids.extend(token_ids)
-            entry.finish_reason = finish_reason
+    def put_step(self, request_ids: list[str], token_ids: list[int]) -> None:
+        """One new token each for requests that go on."""
+        self._request_ids += request_ids
+        self._token_ids += token_ids
+        self._ready.set()
+
+    def finish(self, request_id: str, token_ids: list[int], finish_reason: str) -> None:
+        self._final(Final(request_id, token_ids, finish_reason))
 
     def fail(self, request_id: str, code: grpc.StatusCode, message: str) -> None:
-        entry = self._entry(request_id)
-        if entry is not None:
-            entry.error = (code, message)
+        self._final(Final(request_id, error=(code, message)))
 
-    def _entry(self, request_id: str) -> Entry | None:
-        entry = self._pending.get(request_id)
-        if entry is None:
-            entry = self._pending[request_id] = Entry(request_id)
-        elif entry.last:   # nothing follows a request's last entry
-            return None
+    def _final(self, final: Final) -> None:
+        self._finals.setdefault(final.request_id, final)   # nothing follows a request's end
         self._ready.set()
-        return entry
 
-    async def take(self) -> list[Entry]:
-        """Everything pending, once there is something."""
+    async def take(self) -> tuple[list[str], list[int], list[Final]]:
+        """Everything pending, once there is something: (request ids, their tokens, ends)."""
         await self._ready.wait()
         self._ready.clear()
-        entries = list(self._pending.values())
-        self._pending.clear()
-        return entries
+        taken = self._request_ids, self._token_ids, list(self._finals.values())
+        self._request_ids, self._token_ids, self._finals = [], [], {}
+        return taken

@@ -1,23 +1,27 @@
 """The continuous-batching decode loop: requests join and leave between any two steps.
 
-A step is: admit waiting requests -> plan -> launch (and collect the step before) -> process the
-collected step's tokens. With overlap scheduling the loop launches step n+1 before it collects
-step n, so the GPU runs step n+1 while the host hands out step n's tokens: each row's next input
-is already on the device (`engine/decode_slots.py`), and the host learns a step's tokens one step
-late. A request that finishes is therefore in one step too many; that step's token for it is
-dropped, and its pages are freed only once no launched step can still write them.
+A step is: take new requests and cancels -> admit -> plan -> launch (and collect the step
+before) -> process the collected step's tokens. With overlap scheduling the loop launches step
+n+1 before it collects step n, so the GPU runs step n+1 while the host handles step n's tokens:
+each row's next input is already on the device (`engine/decode_slots.py`), and the host learns a
+step's tokens one step late. A request that finishes is therefore in one step too many; that
+step's token for it is dropped, and its pages are freed only once no launched step can still
+write them.
 
-Bookkeeping runs on the event loop; launching and waiting for steps runs in one worker thread,
-so gRPC keeps serving (reservations, transfers, streams) while the model computes.
+The loop runs on a thread of its own, so neither gRPC's work nor the event loop's scheduling sits
+between two steps. It shares nothing mutable with the event loop: requests and cancels come in
+through a queue, and once per step one callback hands the event loop the step's tokens (for the
+streams' outboxes) and the requests whose pages may be freed (reservations are the event loop's).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import queue
+import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -68,6 +72,23 @@ class InFlight:
     launched_at: float
 
 
+@dataclass
+class StepOutput:
+    """What one step hands the event loop."""
+
+    tokens: dict[Outbox, tuple[list[str], list[int]]] = field(default_factory=dict)
+    finals: list[tuple[DecodeRequest, list[int], str]] = field(default_factory=list)
+    failed: list[DecodeRequest] = field(default_factory=list)
+    cancelled: list[DecodeRequest] = field(default_factory=list)
+    freed: list[DecodeRequest] = field(default_factory=list)   # no step can write their pages
+
+    def __bool__(self) -> bool:
+        return bool(self.tokens or self.finals or self.failed or self.cancelled or self.freed)
+
+
+_STOP = object()
+
+
 class DecodeLoop:
     def __init__(self, steps: DecodeSteps, table: ReservationTable, max_running: int,
                  metrics: DecodeMetrics, overlap: bool = True) -> None:
@@ -76,17 +97,22 @@ class DecodeLoop:
         self.max_running = min(max_running, steps.slots.max_slots)
         self.metrics = metrics
         self.overlap = overlap
+        # The event loop's side.
+        self._held: dict[str, DecodeRequest] = {}    # every request whose pages the loop holds
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+        self._crashed: asyncio.Future | None = None
+        # The loop thread's side.
         self._running: dict[str, DecodeRequest] = {}
         self._waiting: deque[DecodeRequest] = deque()
-        self._held: dict[str, DecodeRequest] = {}     # every request whose pages the loop holds
-        self._retiring: list[DecodeRequest] = []      # done, but in a step not yet collected
+        self._retiring: list[DecodeRequest] = []     # done, but in a step not yet collected
         self._free_slots = list(range(steps.slots.max_slots - 1, -1, -1))
         self._joins: list[SlotJoin] = []
         self._launched_steps = 0
         self._collected_steps = 0
         self._last_collected_at = 0.0
-        self._wake = asyncio.Event()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="decode-step")
+        self._output = StepOutput()
+        self._thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
 
     @property
     def num_running(self) -> int:
@@ -96,34 +122,136 @@ class DecodeLoop:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    # The event loop's side.
+    async def run(self) -> None:
+        """Runs the loop thread until cancelled; raises if the thread dies."""
+        self._event_loop = asyncio.get_running_loop()
+        self._crashed = self._event_loop.create_future()
+        self._thread.start()
+        try:
+            await self._crashed
+        finally:
+            self.shutdown()
+
     def add(self, req: DecodeRequest) -> None:
         self._held[req.request_id] = req
-        reason = req.finish_reason()
-        if reason is not None:  # prefill's token already ended it
-            self._finish(req, [], reason)
-            return
-        self._waiting.append(req)
-        self._wake.set()
+        self._commands.put(req)
 
     def abort(self, request_id: str) -> bool:
         """Drops a request (its stream ended, or the router released it); its pages are freed
         once no launched step uses them. Returns False if the loop does not hold it."""
-        req = self._held.get(request_id)
-        if req is None:
+        if request_id not in self._held:
             return False
-        if not req.done:
-            req.done = True
-            req.outbox.fail(request_id, grpc.StatusCode.CANCELLED, "released")
-            self.metrics.request_done("cancelled")
-            if req in self._waiting:
-                self._waiting.remove(req)
-            self._running.pop(request_id, None)
-            self._retire(req)
+        self._commands.put(request_id)
         return True
+
+    def _deliver(self, output: StepOutput) -> None:
+        for outbox, (request_ids, token_ids) in output.tokens.items():
+            outbox.put_step(request_ids, token_ids)
+        for req, tokens, reason in output.finals:
+            req.outbox.finish(req.request_id, tokens, reason)
+        for req in output.failed:
+            req.outbox.fail(req.request_id, grpc.StatusCode.INTERNAL,
+                            "decode step failed on the worker")
+        for req in output.cancelled:
+            req.outbox.fail(req.request_id, grpc.StatusCode.CANCELLED, "released")
+        for req in output.freed:
+            self._held.pop(req.request_id, None)
+            self.table.release(req.request_id)
+        self.metrics.set_load(len(self._running), len(self._waiting) + self.table.num_waiting)
+
+    def _hand_over(self) -> None:
+        """From the loop thread: what the step produced goes to the event loop, in one callback."""
+        if self._output and self._event_loop is not None:
+            output, self._output = self._output, StepOutput()
+            self._event_loop.call_soon_threadsafe(self._deliver, output)
+
+    def shutdown(self) -> None:
+        self._commands.put(_STOP)
+
+    # The loop thread's side.
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as err:  # noqa: BLE001 - the event loop must learn of it
+            log.exception("decode loop died")
+            if self._event_loop is not None and self._crashed is not None:
+                self._event_loop.call_soon_threadsafe(
+                    lambda: self._crashed.done() or self._crashed.set_exception(err))
+
+    def _loop(self) -> None:
+        in_flight: InFlight | None = None
+        while True:
+            idle = in_flight is None and not self._running and not self._waiting
+            if not self._take_commands(block=idle):
+                return
+            self._admit()
+            plan, batch = self._plan()
+            if plan is None and in_flight is None:
+                self._hand_over()
+                continue
+            launched_at = time.perf_counter()
+            previous = in_flight.launched if (self.overlap and in_flight) else None
+            try:
+                launched = self.steps.launch(plan) if plan is not None else None
+                if self.overlap:
+                    tokens = previous.tokens() if previous is not None else None
+                    finished, in_flight = in_flight, (None if launched is None else InFlight(
+                        self._launched_steps, batch, launched, launched_at))
+                else:
+                    assert launched is not None
+                    tokens = launched.tokens()
+                    finished = InFlight(self._launched_steps, batch, launched, launched_at)
+            except Exception:
+                log.exception("decode step failed; ending its requests")
+                self._recover(batch, in_flight)
+                in_flight = None
+                self._hand_over()
+                continue
+            if finished is not None:
+                assert tokens is not None
+                self._process(finished, tokens)
+            self._hand_over()
+
+    def _take_commands(self, block: bool) -> bool:
+        """New requests and cancels; False once the loop must stop."""
+        while True:
+            try:
+                command = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if command is _STOP:
+                return False
+            if isinstance(command, DecodeRequest):
+                reason = command.finish_reason()
+                if reason is not None:   # prefill's token already ended it
+                    self._finish(command, [], reason)
+                else:
+                    self._waiting.append(command)
+            else:
+                self._cancel(command)
+
+    def _cancel(self, request_id: str) -> None:
+        req = self._running.get(request_id) or next(
+            (r for r in self._waiting if r.request_id == request_id), None)
+        if req is None:   # already finished (its pages follow) or never here
+            return
+        req.done = True
+        self._output.cancelled.append(req)
+        self.metrics.request_done("cancelled")
+        if req in self._waiting:
+            self._waiting.remove(req)
+        self._running.pop(request_id, None)
+        self._retire(req)
 
     def _finish(self, req: DecodeRequest, tokens: list[int], reason: str) -> None:
         req.done = True
-        req.outbox.put(req.request_id, tokens, reason)
+        self._output.finals.append((req, tokens, reason))
         self.metrics.request_done("finished")
         self._running.pop(req.request_id, None)
         self._retire(req)
@@ -132,8 +260,7 @@ class DecodeLoop:
         if req.done:
             return
         req.done = True
-        req.outbox.fail(req.request_id, grpc.StatusCode.INTERNAL,
-                        "decode step failed on the worker")
+        self._output.failed.append(req)
         self.metrics.request_done("error")
         self._running.pop(req.request_id, None)
         self._retire(req)
@@ -144,44 +271,16 @@ class DecodeLoop:
         if req.last_step > self._collected_steps:
             self._retiring.append(req)
             return
-        self._held.pop(req.request_id, None)
         if req.slot >= 0:
+            self.steps.slots.release(req.slot)
             self._free_slots.append(req.slot)
             req.slot = -1
-        self.table.release(req.request_id)
+        self._output.freed.append(req)
 
     def _release_retired(self) -> None:
         retiring, self._retiring = self._retiring, []
         for req in retiring:
             self._retire(req)
-
-    async def run(self) -> None:
-        """The loop: admit -> plan -> launch / collect -> process."""
-        in_flight: InFlight | None = None
-        while True:
-            self._admit()
-            self._publish_load()
-            plan, batch = self._plan()
-            if plan is None and in_flight is None:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            launched_at = time.perf_counter()
-            collect = in_flight if self.overlap else None
-            try:
-                launched, tokens = await self._launch_and_collect(plan, collect)
-                if not self.overlap and launched is not None:
-                    _, tokens = await self._launch_and_collect(None, launched)
-            except Exception:
-                log.exception("decode step failed; ending its requests")
-                await self._recover(batch, in_flight)
-                in_flight = None
-                continue
-            current = None if launched is None else InFlight(
-                self._launched_steps, batch, launched, launched_at)
-            finished, in_flight = (in_flight, current) if self.overlap else (current, None)
-            if finished is not None:
-                self._process(finished, tokens)
 
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.max_running:
@@ -196,33 +295,22 @@ class DecodeLoop:
         if not batch:
             return None, []
         self._launched_steps += 1
+        step = self._launched_steps
         slots, seq_lens = [], []
         for req in batch:
             req.scheduled += 1
-            req.last_step = self._launched_steps
+            req.last_step = step
             slots.append(req.slot)
             seq_lens.append(req.reservation.prompt_len + req.scheduled - 1)
         plan = StepPlan(slots, seq_lens, self._joins)
         self._joins = []
         return plan, batch
 
-    async def _launch_and_collect(self, plan: StepPlan | None, previous: InFlight | LaunchedStep
-                                  | None) -> tuple[LaunchedStep | None, list[int] | None]:
-        """Launches ``plan`` (if any), then waits for ``previous`` and returns its tokens: one
-        trip to the step thread."""
-        step = previous.launched if isinstance(previous, InFlight) else previous
-
-        def work() -> tuple[LaunchedStep | None, list[int] | None]:
-            launched = self.steps.launch(plan) if plan is not None else None
-            return launched, step.tokens() if step is not None else None
-
-        return await asyncio.get_running_loop().run_in_executor(self._executor, work)
-
-    async def _recover(self, batch: list[DecodeRequest], in_flight: InFlight | None) -> None:
+    def _recover(self, batch: list[DecodeRequest], in_flight: InFlight | None) -> None:
         """After a failed step: its requests (and those of the step before, not collected) end
         with an error once the GPU has nothing of theirs left in flight."""
         try:
-            await asyncio.get_running_loop().run_in_executor(self._executor, self.steps.wait_idle)
+            self.steps.wait_idle()
         except Exception:  # noqa: BLE001 - the device is broken; free what we can anyway
             log.exception("decode device did not settle after a failed step")
         self._collected_steps = self._launched_steps
@@ -230,7 +318,7 @@ class DecodeLoop:
             self._fail(req)
         self._release_retired()
 
-    def _process(self, step: InFlight, tokens: list[int] | None) -> None:
+    def _process(self, step: InFlight, tokens: list[int]) -> None:
         now = time.perf_counter()
         self.metrics.step_duration.observe(now - max(step.launched_at, self._last_collected_at))
         self._last_collected_at = now
@@ -238,22 +326,20 @@ class DecodeLoop:
         self.metrics.steps.labels(step.launched.mode).inc()
         self._collected_steps = step.step_id
         self._release_retired()
-        assert tokens is not None
         live = 0
+        by_outbox = self._output.tokens
         for req, token in zip(step.batch, tokens):
-            if req.done:   # finished or aborted after the step was launched
+            if req.done:   # finished or cancelled after the step was launched
                 continue
             live += 1
             req.generated.append(token)
             reason = req.finish_reason()
-            if reason is None:
-                req.outbox.put(req.request_id, [token])
-            else:
+            if reason is not None:
                 self._finish(req, [token], reason)
+                continue
+            pending = by_outbox.get(req.outbox)
+            if pending is None:
+                pending = by_outbox[req.outbox] = ([], [])
+            pending[0].append(req.request_id)
+            pending[1].append(token)
         self.metrics.generated_tokens.inc(live)
-
-    def _publish_load(self) -> None:
-        self.metrics.set_load(len(self._running), len(self._waiting) + self.table.num_waiting)
-
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)

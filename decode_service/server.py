@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from decode_service.outbox import Entry, Outbox
+from decode_service.outbox import Final, Outbox
 from decode_service.reservations import ReservationTable
 from decode_service.scheduler import DecodeLoop, DecodeRequest
 from kv_transfer import writes_unseen
@@ -44,14 +44,14 @@ FINISH_REASONS = {"length": generate_pb2.FINISH_REASON_LENGTH,
                   "stop": generate_pb2.FINISH_REASON_STOP}
 
 
-def _to_proto(entry: Entry) -> decode_pb2.RequestTokens:
+def _to_proto(final: Final) -> decode_pb2.RequestTokens:
     message = decode_pb2.RequestTokens(
-        request_id=entry.request_id, token_ids=entry.token_ids,
-        finish_reason=FINISH_REASONS.get(entry.finish_reason or "",
+        request_id=final.request_id, token_ids=final.token_ids,
+        finish_reason=FINISH_REASONS.get(final.finish_reason or "",
                                          generate_pb2.FINISH_REASON_UNSPECIFIED))
-    if entry.error is not None:
-        message.error_code = entry.error[0].value[0]
-        message.error_message = entry.error[1]
+    if final.error is not None:
+        message.error_code = final.error[0].value[0]
+        message.error_message = final.error[1]
     return message
 
 
@@ -90,11 +90,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         reader = asyncio.create_task(self._read_starts(requests, outbox, started))
         try:
             while True:
-                entries = await outbox.take()
-                for entry in entries:
-                    if entry.last:
-                        started.pop(entry.request_id, None)
-                yield decode_pb2.StreamResponse(requests=[_to_proto(e) for e in entries])
+                request_ids, token_ids, finals = await outbox.take()
+                for final in finals:
+                    started.pop(final.request_id, None)
+                yield decode_pb2.StreamResponse(request_ids=request_ids, token_ids=token_ids,
+                                                finished=[_to_proto(f) for f in finals])
         finally:
             reader.cancel()
             for request_id, task in started.items():

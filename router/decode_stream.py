@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 
-from protos.pdserve.v1 import decode_pb2, generate_pb2
+from protos.pdserve.v1 import decode_pb2
 
 log = logging.getLogger(__name__)
 
@@ -61,22 +61,18 @@ class DecodeStream:
         try:
             self._open().put_nowait(decode_pb2.StreamRequest(start=request))
             while True:
-                merged = decode_pb2.RequestTokens(request_id=request_id)
-                error = None
-                for item in await inbox.take():
-                    if isinstance(item, StreamError) or item.error_code:
-                        error = _error(item)
-                        break
-                    merged.token_ids.extend(item.token_ids)
-                    merged.finish_reason = item.finish_reason
-                    if item.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
-                        break
-                if merged.token_ids or merged.finish_reason:
-                    yield merged
-                if merged.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
-                    return
-                if error is not None:
-                    raise error
+                tokens, end = await inbox.take()
+                if isinstance(end, StreamError) or (end is not None and end.error_code):
+                    if tokens:
+                        yield decode_pb2.RequestTokens(request_id=request_id, token_ids=tokens)
+                    raise _error(end)
+                if end is None:
+                    yield decode_pb2.RequestTokens(request_id=request_id, token_ids=tokens)
+                    continue
+                yield decode_pb2.RequestTokens(request_id=request_id,
+                                               token_ids=tokens + list(end.token_ids),
+                                               finish_reason=end.finish_reason)
+                return
         finally:
             if deadline is not None:
                 deadline.cancel()
@@ -99,11 +95,18 @@ class DecodeStream:
         error = StreamError(grpc.StatusCode.UNAVAILABLE,
                             f"decode worker {self.address} ended its stream")
         try:
+            requests = self._requests
             async for message in call:
-                for tokens in message.requests:
-                    inbox = self._requests.get(tokens.request_id)
-                    if inbox is not None:   # else: a request the router has given up
-                        inbox.put(tokens)
+                # (ids the router has given up, or never had, are skipped)
+                for request_id, token_id in zip(message.request_ids, message.token_ids):
+                    inbox = requests.get(request_id)
+                    if inbox is not None:
+                        inbox.tokens.append(token_id)
+                        inbox.ready.set()
+                for final in message.finished:
+                    inbox = requests.get(final.request_id)
+                    if inbox is not None:
+                        inbox.put(final)
         except grpc.aio.AioRpcError as err:
             error = StreamError(err.code(), err.details() or err.code().name)
         finally:
@@ -120,21 +123,23 @@ class DecodeStream:
 
 
 class _Inbox:
-    """What arrived for one request since it last looked."""
+    """What arrived for one request since it last looked: tokens, then maybe its end."""
 
     def __init__(self) -> None:
-        self._items: list[decode_pb2.RequestTokens | StreamError] = []
-        self._ready = asyncio.Event()
+        self.tokens: list[int] = []
+        self.end: decode_pb2.RequestTokens | StreamError | None = None
+        self.ready = asyncio.Event()
 
-    def put(self, item: decode_pb2.RequestTokens | StreamError) -> None:
-        self._items.append(item)
-        self._ready.set()
+    def put(self, end: decode_pb2.RequestTokens | StreamError) -> None:
+        if self.end is None:
+            self.end = end
+        self.ready.set()
 
-    async def take(self) -> list[decode_pb2.RequestTokens | StreamError]:
-        await self._ready.wait()
-        self._ready.clear()
-        items, self._items = self._items, []
-        return items
+    async def take(self) -> tuple[list[int], decode_pb2.RequestTokens | StreamError | None]:
+        await self.ready.wait()
+        self.ready.clear()
+        tokens, self.tokens = self.tokens, []
+        return tokens, self.end
 
 
 def _error(item: decode_pb2.RequestTokens | StreamError) -> StreamError:

@@ -15,8 +15,13 @@ import pytest
 import torch
 
 from pdserve.security import TOKEN_METADATA
-from protos.pdserve.v1 import (decode_pb2_grpc, generate_pb2, generate_pb2_grpc,
-                               prefill_pb2_grpc, worker_pb2)
+from protos.pdserve.v1 import (
+    decode_pb2_grpc,
+    generate_pb2,
+    generate_pb2_grpc,
+    prefill_pb2_grpc,
+    worker_pb2,
+)
 
 # The token of every test cluster: tests that call workers directly send INTERNAL_METADATA.
 _SECRETS = tempfile.mkdtemp(prefix="pdserve-test-")
@@ -69,6 +74,16 @@ class Cluster:
         """Pages each worker's allocator has out that none of its requests holds (0 each)."""
         return {f"{role}{i}": self.worker_info(role, i).leaked_pages
                 for role in ("prefill", "decode") for i in range(len(self.workers[role]))}
+
+    def wait_all_pages_free(self, timeout_s: float = 30.0) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            infos = [self.worker_info(role, i) for role in ("prefill", "decode")
+                     for i in range(len(self.workers[role]))]
+            if all(info.free_pages == info.total_pages for info in infos):
+                return True
+            time.sleep(0.05)
+        return False
 
     def wait_free_pages(self, expected: dict[str, int], timeout_s: float = 10.0) -> dict[str, int]:
         """Polls until every worker's free page count is back to ``expected`` (or times out)."""
@@ -138,6 +153,10 @@ def no_pages_leaked(request):
         shared = request.getfixturevalue("cluster")
         if shared.process.poll() is None:
             assert shared.leaked_pages() == dict.fromkeys(shared.leaked_pages(), 0)
+            # Pages of finished requests come back just after their last token (the decode
+            # loop frees them once no launched step can write them): the next test starts
+            # from a pool that is whole again.
+            assert shared.wait_all_pages_free(), shared.free_pages()
 
 
 @pytest.fixture(scope="session")

@@ -49,7 +49,7 @@ def test_decode_start_that_does_not_fit_its_reservation_is_refused(cluster, chan
                                                          repetition_penalty=1.0))
         start = decode_pb2.StreamRequest(start=decode_pb2.DecodeRequest(**{**fields, **change}))
         responses = decode.Stream(iter([start]), timeout=5, metadata=INTERNAL_METADATA)
-        (answer,) = next(responses).requests
+        (answer,) = next(responses).finished
         responses.cancel()
         assert answer.request_id == request_id and not answer.token_ids
         assert answer.error_code in (grpc.StatusCode.INVALID_ARGUMENT.value[0],

@@ -55,7 +55,7 @@ def test_cancelled_stream_returns_all_pages(cluster):
 def test_deadline_returns_all_pages(cluster):
     before = cluster.free_pages()
     with pytest.raises(grpc.RpcError) as info:
-        for _ in cluster.stub().Generate(_long_request(max_new_tokens=2000), timeout=0.3):
+        for _ in cluster.stub().Generate(_long_request(max_new_tokens=2000), timeout=0.05):
             pass
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert cluster.wait_free_pages(before) == before

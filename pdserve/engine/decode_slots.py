@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdserve.engine.sampling import SamplingTensors, flags
+from pdserve.engine.sampling import SamplingTensors, has_filter
 from pdserve.kvcache.pool import NULL_PAGE
 from pdserve.sampling_params import SamplingParams
 
@@ -63,6 +63,10 @@ class DecodeSlots:
         self.int_params = torch.zeros(rows, 4, dtype=torch.long, device=device)
         self.seen: torch.Tensor | None = None   # [rows, vocab] bool, once a penalty appears
         self.params: list[SamplingParams | None] = [None] * rows
+        # How many occupied slots sample, filter, penalise: a step's sampling flags without a
+        # pass over its rows (true for the batch whenever true for any slot: a row without the
+        # feature gives the same token either way).
+        self._sampled = self._filtered = self._penalised = 0
 
     def join(self, joins: list[SlotJoin]) -> None:
         """Writes the joining requests' slots (enqueued on the stream, before the next step)."""
@@ -73,7 +77,9 @@ class DecodeSlots:
         table = np.zeros((len(joins), width), dtype=np.int32)
         for row, j in enumerate(joins):   # once per request, not per step
             table[row, :len(j.page_ids)] = j.page_ids
+            self.release(j.slot)
             self.params[j.slot] = j.params
+            self._count(j.params, 1)
         self.page_table[slots, :width] = upload(table, self.device)
         self.tokens[slots] = upload(np.array([j.token for j in joins], dtype=np.int64),
                                     self.device)
@@ -99,13 +105,25 @@ class DecodeSlots:
         self.seen[slots] = False
         self.seen[upload(rows.astype(np.int64), self.device), upload(ids, self.device)] = True
 
-    def sampling(self, slots: torch.Tensor, slot_ids: list[int]) -> SamplingTensors:
-        """The batch's sampling parameters, gathered on the device; ``slot_ids``: the same slots
-        on the host, for the batch-wide flags."""
+    def release(self, slot: int) -> None:
+        """The slot's request has left."""
+        params = self.params[slot]
+        if params is not None:
+            self._count(params, -1)
+            self.params[slot] = None
+
+    def _count(self, params: SamplingParams, delta: int) -> None:
+        self._sampled += delta * (not params.is_greedy)
+        self._filtered += delta * has_filter(params)
+        self._penalised += delta * (params.repetition_penalty != 1.0)
+
+    def sampling(self, slots: torch.Tensor) -> SamplingTensors:
+        """The batch's sampling parameters, gathered on the device."""
         floats = self.float_params[slots]
         ints = self.int_params[slots]
-        summary = flags([self.params[s] or SamplingParams() for s in slot_ids])
-        return SamplingTensors(*floats.unbind(1), *ints.unbind(1), **summary)
+        return SamplingTensors(*floats.unbind(1), *ints.unbind(1),
+                               all_greedy=self._sampled == 0, any_filter=self._filtered > 0,
+                               any_penalty=self._penalised > 0)
 
     def seen_rows(self, slots: torch.Tensor) -> torch.Tensor | None:
         return None if self.seen is None else self.seen[slots]

@@ -82,7 +82,7 @@ class DecodeSteps:
             runner.attn.prepare_metadata(batch)
             logits = runner.model(batch, runner.attn)
         rows = slot_index[:n]
-        st = slots.sampling(rows, plan.slots)
+        st = slots.sampling(rows)
         tokens = sample_tensors(logits, st, slots.seen_rows(rows) if st.any_penalty else None)
         slots.advance(rows, tokens)
         out = self._tokens_out[self._launched % 2]

@@ -45,10 +45,14 @@ class StreamRequest(_message.Message):
     def __init__(self, start: _Optional[_Union[DecodeRequest, _Mapping]] = ...) -> None: ...
 
 class StreamResponse(_message.Message):
-    __slots__ = ("requests",)
-    REQUESTS_FIELD_NUMBER: _ClassVar[int]
-    requests: _containers.RepeatedCompositeFieldContainer[RequestTokens]
-    def __init__(self, requests: _Optional[_Iterable[_Union[RequestTokens, _Mapping]]] = ...) -> None: ...
+    __slots__ = ("request_ids", "token_ids", "finished")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finished: _containers.RepeatedCompositeFieldContainer[RequestTokens]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[_Iterable[_Union[RequestTokens, _Mapping]]] = ...) -> None: ...
 
 class RequestTokens(_message.Message):
     __slots__ = ("request_id", "token_ids", "finish_reason", "error_code", "error_message")
