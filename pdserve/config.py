@@ -126,6 +126,14 @@ class RouterConfig:
     max_request_bytes: int = setting(8 << 20, "largest Generate request accepted, in bytes "
                                      "(refused before it is parsed: 8 MiB holds 4 MB of text or "
                                      "1M token ids)")
+    router_policy: str = setting("cache_aware", "how workers are picked: round_robin, "
+                                 "least_loaded (decode by free KV pages and requests, prefill by "
+                                 "prompt tokens waiting) or cache_aware (prefill where the "
+                                 "prompt's longest prefix went; decode least loaded)",
+                                 choices=("round_robin", "least_loaded", "cache_aware"))
+    cache_aware_max_imbalance_tokens: int = setting(
+        16384, "cache_aware: go to the least loaded prefill worker instead when the one with "
+        "the prefix has this many more prompt tokens waiting")
 
 
 @dataclass

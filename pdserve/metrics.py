@@ -166,6 +166,9 @@ class RouterMetrics(RoleMetrics):
                                 "Time between tokens of a stream", buckets=TOKEN_LATENCY_BUCKETS_S)
         self.e2e = self._metric(Histogram, "pdserve_request_duration_seconds",
                                 "End-to-end request latency", buckets=LATENCY_BUCKETS_S)
+        self.decisions = self._metric(Counter, "pdserve_router_decisions_total",
+                                      "Workers picked, by role, policy and reason",
+                                      extra=("target_role", "policy", "reason"))
         self.recoveries = self._metric(Counter, "pdserve_request_recoveries_total",
                                        "Requests moved to another pair after losing decode")
         self.worker_healthy = self._metric(Gauge, "pdserve_worker_healthy",

@@ -38,7 +38,7 @@ def sampling_from_proto(msg: worker_pb2.WorkerSampling) -> SamplingParams:
 
 def worker_info(runner: ModelRunner, role: str, worker: str, running: int, queued: int,
                 reservations: int, engines: list[str], held_pages: int,
-                fenced_pages: int = 0) -> worker_pb2.WorkerInfo:
+                fenced_pages: int = 0, queued_tokens: int = 0) -> worker_pb2.WorkerInfo:
     """``held_pages``: pages the worker's requests and reservations hold (fenced included)."""
     cfg = runner.model_config
     allocator = runner.pool.allocator
@@ -48,4 +48,5 @@ def worker_info(runner: ModelRunner, role: str, worker: str, running: int, queue
         free_pages=allocator.num_free, running_requests=running, queued_requests=queued,
         reservations=reservations, attention_backend=runner.backend_name,
         kv_transfer_engines=engines, fenced_pages=fenced_pages,
-        leaked_pages=allocator.leaked(held_pages), device=str(runner.device))
+        leaked_pages=allocator.leaked(held_pages), device=str(runner.device),
+        queued_tokens=queued_tokens)

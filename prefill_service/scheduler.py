@@ -81,6 +81,11 @@ class PrefillScheduler:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def queued_tokens(self) -> int:
+        """Prompt tokens not yet computed, of prompts waiting or running."""
+        return sum(t.remaining for t in self._waiting) + sum(t.remaining for t in self._running)
+
     async def submit(self, task: PrefillTask) -> int:
         """Runs a prompt to its first token, KV committed at the target; returns the token."""
         needed = self.pool.pages_for(len(task.prompt_ids))

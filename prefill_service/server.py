@@ -70,7 +70,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         return worker_info(self.runner, "prefill", self.worker, running=self.scheduler.num_running,
                            queued=self.scheduler.num_waiting, reservations=0,
                            engines=self.scheduler.links.engines_in_use,
-                           held_pages=self.scheduler.held_pages)
+                           held_pages=self.scheduler.held_pages,
+                           queued_tokens=self.scheduler.queued_tokens)
 
 
 async def serve(config: PrefillConfig) -> None:

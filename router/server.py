@@ -168,8 +168,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
         last_error: PdserveError | None = None
         for _ in range(MAX_ATTEMPTS):
             try:
-                decode_worker = self.workers.pick("decode", exclude=frozenset(tried))
-                prefill_worker = self.workers.pick("prefill")
+                decode_worker = self.workers.pick("decode", job, exclude=frozenset(tried))
+                prefill_worker = self.workers.pick("prefill", job)
             except NoHealthyWorker:
                 if last_error is None:
                     raise
@@ -249,7 +249,8 @@ async def serve(config: RouterConfig) -> None:
     workers = WorkerPool({"prefill": config.prefill_addrs + config.prefill_discovery,
                           "decode": config.decode_addrs + config.decode_discovery}, model,
                          config.health_interval_s, metrics, config.discovery_interval_s,
-                         identity=identity)
+                         identity=identity, policy=config.router_policy,
+                         max_imbalance_tokens=config.cache_aware_max_imbalance_tokens)
     servicer = GenerationServicer(config, model, tokenizer, workers, metrics)
     server.add(generate_pb2_grpc.add_GenerationServiceServicer_to_server, servicer,
                [generate_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name])

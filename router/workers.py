@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import socket
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -25,6 +24,10 @@ from pdserve.models.config import ModelConfig
 from pdserve.security import Identity
 from protos.pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc, worker_pb2
 from router.decode_stream import DecodeStream
+from router.policies import CacheAware, make_policy
+
+if TYPE_CHECKING:
+    from router.validation import GenerationJob
 
 log = logging.getLogger(__name__)
 
@@ -61,13 +64,20 @@ class Worker:
     in_flight: int = 0
     info: worker_pb2.WorkerInfo | None = field(default=None, repr=False)
     decode_stream: DecodeStream | None = field(default=None, repr=False)   # decode workers
+    # What this router sent it since its last load report (info).
+    sent_requests: int = 0
+    sent_pages: int = 0
+    sent_tokens: int = 0
 
 
 class WorkerPool:
     def __init__(self, sources: dict[str, list[str]], model: ModelConfig, interval_s: float,
                  metrics: RouterMetrics | None = None, discovery_interval_s: float = 5.0,
-                 resolver: Resolver = resolve_dns, identity: Identity | None = None) -> None:
+                 resolver: Resolver = resolve_dns, identity: Identity | None = None,
+                 policy: str = "round_robin", max_imbalance_tokens: int = 16384) -> None:
         self.model = model
+        self.policies = {role: make_policy(policy, role, max_imbalance_tokens)
+                         for role in ("prefill", "decode")}
         self.identity = identity
         self.interval_s = interval_s
         self.discovery_interval_s = discovery_interval_s
@@ -76,7 +86,6 @@ class WorkerPool:
         self.sources = sources
         self.workers: dict[str, list[Worker]] = {"prefill": [], "decode": []}
         self._retired: list[Worker] = []
-        self._turn = {role: itertools.count() for role in self.workers}
         for role, specs in sources.items():
             for spec in specs:
                 if parse_source(spec) is None:
@@ -97,13 +106,19 @@ class WorkerPool:
     def ready(self) -> bool:
         return bool(self.healthy("prefill")) and bool(self.healthy("decode"))
 
-    def pick(self, role: str, exclude: frozenset[str] = frozenset()) -> Worker:
-        """The next healthy worker of ``role`` in round-robin order."""
+    def pick(self, role: str, job: GenerationJob,
+             exclude: frozenset[str] = frozenset()) -> Worker:
+        """The healthy worker of ``role`` the policy picks for ``job``."""
         candidates = [w for w in self.healthy(role) if w.address not in exclude]
         if not candidates:
             known = ", ".join(f"{w.address} ({w.problem})" for w in self.workers[role]) or "none"
             raise NoHealthyWorker(f"no healthy {role} worker (known: {known})")
-        return candidates[next(self._turn[role]) % len(candidates)]
+        policy = self.policies[role]
+        worker, reason = policy.choose(candidates, job)
+        policy.sent(worker, job)
+        if self.metrics:
+            self.metrics.decisions.labels(role, policy.name, reason).inc()
+        return worker
 
     @contextlib.contextmanager
     def track(self, worker: Worker) -> Iterator[None]:
@@ -148,6 +163,9 @@ class WorkerPool:
                     log.info("%s worker %s left %s", role, worker.address, spec)
                     self.workers[role].remove(worker)
                     self._retired.append(worker)
+                    policy = self.policies[role]
+                    if isinstance(policy, CacheAware):
+                        policy.forget(worker.address)
         await self._close_idle_retired()
 
     async def _close_idle_retired(self) -> None:
@@ -180,9 +198,10 @@ class WorkerPool:
                 health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
             if reply.status != health_pb2.HealthCheckResponse.SERVING:
                 return self.mark_unhealthy(worker, "not serving")
-            if worker.info is None:
-                worker.info = await worker.stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(),
-                                                              timeout=timeout_s)
+            # Every probe refreshes the worker's load report (the policies' view of it).
+            worker.info = await worker.stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(),
+                                                          timeout=timeout_s)
+            worker.sent_requests = worker.sent_pages = worker.sent_tokens = 0
         except grpc.aio.AioRpcError as err:
             return self.mark_unhealthy(worker, f"{err.code().name}: {err.details()}")
         problem = self._incompatibility(worker.info)

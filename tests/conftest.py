@@ -259,9 +259,11 @@ def _worker_flags(addresses: dict[str, str], role: str, discovery: bool) -> list
 
 def start_roles(roles: list[str], discovery: bool = False, router_flags: list[str] | None = None,
                 decode_flags: list[str] | None = None,
-                prefill_flags: list[str] | None = None) -> RoleProcesses:
+                prefill_flags: list[str] | None = None,
+                worker_flags: dict[str, list[str]] | None = None) -> RoleProcesses:
     """Starts one process per entry of ``roles`` ("prefill"/"decode"), then a router over them
-    (with ``discovery``, finding them as dns:localhost:PORT instead of static addresses)."""
+    (with ``discovery``, finding them as dns:localhost:PORT instead of static addresses).
+    ``worker_flags``: more flags for one process, by name ("decode0", "prefill1", ...)."""
     role_flags = {"prefill": PREFILL_FLAGS + (prefill_flags or []),
                   "decode": DECODE_FLAGS + (decode_flags or [])}
     processes, addresses = {}, {}
@@ -271,7 +273,8 @@ def start_roles(roles: list[str], discovery: bool = False, router_flags: list[st
         addresses[name] = f"127.0.0.1:{port}"
         processes[name] = subprocess.Popen([sys.executable, "-m", "pdserve", role, "--port",
                                             str(port), "--internal-token-file", TOKEN_FILE,
-                                            *ENGINE_FLAGS, *role_flags[role]])
+                                            *ENGINE_FLAGS, *role_flags[role],
+                                            *(worker_flags or {}).get(name, [])])
     for name, process in processes.items():
         wait_serving(addresses[name], process)
     port = free_port()
