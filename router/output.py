@@ -90,6 +90,9 @@ class OutputAssembler:
                 self.finish_reason = reason
         if self.finish_reason == "length":
             self._append_text(self.detokenizer.flush())
+        return self._completed(chunk)
+
+    def _completed(self, chunk: Chunk) -> Chunk:
         chunk.text = self._release()
         chunk.finish_reason = self.finish_reason
         chunk.completion_tokens = self.completion_tokens
@@ -110,10 +113,7 @@ class OutputAssembler:
             self.text += self.detokenizer.push(*rendered)
         if self.finish_reason == "length":
             self.text += self.detokenizer.flush()
-        chunk.text = self._release()
-        chunk.finish_reason = self.finish_reason
-        chunk.completion_tokens = self.completion_tokens
-        return chunk
+        return self._completed(chunk)
 
     def _append_text(self, piece: str) -> None:
         if not piece or self.finish_reason == "stop":

@@ -22,7 +22,7 @@ from router.decode_stream import StreamError
 from router.output import Chunk, OutputAssembler
 from router.pair import PairAttempt, upstream
 from router.validation import GenerationJob, validate
-from router.workers import WorkerPool
+from router.workers import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -98,9 +98,11 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
             self.metrics.e2e.observe(time.monotonic() - started)
         except PdserveError as err:
             remaining = context.time_remaining()
-            if remaining is not None and remaining <= 0:   # nobody is left to answer
+            if remaining is not None and remaining <= 0:
+                # Never an OK end for a cut-short answer: the client may read the trailer
+                # before its own deadline fires.
                 outcome = "deadline_exceeded"
-                return
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
             outcome = err.code.name.lower()
             await context.abort(err.code, str(err))
         except (asyncio.CancelledError, GeneratorExit):   # the client went away
@@ -165,11 +167,12 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
         trying other pairs on failures before the first token that another pair may not have.
         Raises DecodeLost if the decode worker goes away mid-stream."""
         tried: set[str] = set()
+        tried_prefill: set[str] = set()   # avoided while another prefill worker is healthy
         last_error: PdserveError | None = None
         for _ in range(MAX_ATTEMPTS):
             try:
                 decode_worker = self.workers.pick("decode", job, exclude=frozenset(tried))
-                prefill_worker = self.workers.pick("prefill", job)
+                prefill_worker = self._pick_prefill(job, tried_prefill)
             except NoHealthyWorker:
                 if last_error is None:
                     raise
@@ -181,6 +184,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
                     last_error = retry.error
                     if retry.decode_address:
                         tried.add(retry.decode_address)
+                    else:
+                        tried_prefill.add(prefill_worker.address)
                     continue
                 with self.workers.track(decode_worker):
                     async for chunk in self._decode(pair, first_token, output, context):
@@ -188,6 +193,16 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
                 return
         assert last_error is not None
         raise last_error
+
+    def _pick_prefill(self, job: GenerationJob, tried: set[str]) -> Worker:
+        """A prefill worker this request has not failed on, or any healthy one if it has
+        failed on all (a restarted worker keeps its address)."""
+        try:
+            return self.workers.pick("prefill", job, exclude=frozenset(tried))
+        except NoHealthyWorker:
+            if not tried:
+                raise
+            return self.workers.pick("prefill", job)
 
     async def _prefill(self, pair: PairAttempt, context: grpc.aio.ServicerContext) -> int:
         """Reserve and prefill on ``pair``; returns the first token. Raises RetryElsewhere for

@@ -171,6 +171,20 @@ def _assert_same_or_near_tie(runner: ModelRunner, prompt: list[int], expected: l
     assert gap < tolerance, f"token {i}: {expected[i]} vs {got[i]}, logit gap {gap}"
 
 
+def _assert_greedy_like(cluster, reference: ModelRunner, lengths: tuple[int, ...],
+                        seed: int) -> None:
+    """Random prompts of ``lengths`` through the cluster give the reference's greedy tokens,
+    up to bf16 near-ties."""
+    rng = random.Random(seed)
+    for length in lengths:
+        prompt = [rng.randrange(256) for _ in range(length)]
+        got = generate(cluster.stub(), token_ids=generate_pb2.TokenIds(ids=prompt),
+                       sampling=generate_pb2.SamplingParams(max_new_tokens=24,
+                                                            ignore_eos=True))[0]
+        expected = local.generate(reference, prompt, SamplingParams(max_new_tokens=24))
+        _assert_same_or_near_tie(reference, prompt, expected, got, tolerance=0.25)
+
+
 def test_cluster_on_gpu_matches_torch_backend():
     cluster = start_cluster(["--model", "small", "--page-size", "16", "--num-pages", "4096",
                              "--cuda-graph-max-bs", "32"])
@@ -179,14 +193,7 @@ def test_cluster_on_gpu_matches_torch_backend():
     try:
         assert cluster.worker_info("prefill").attention_backend in ("fa", "fi")
         assert cluster.worker_info("decode").attention_backend == "fi"
-        rng = random.Random(5)
-        for length in (3, 40, 300, 1000):
-            prompt = [rng.randrange(256) for _ in range(length)]
-            got = generate(cluster.stub(), token_ids=generate_pb2.TokenIds(ids=prompt),
-                           sampling=generate_pb2.SamplingParams(max_new_tokens=24,
-                                                                ignore_eos=True))[0]
-            expected = local.generate(reference, prompt, SamplingParams(max_new_tokens=24))
-            _assert_same_or_near_tie(reference, prompt, expected, got, tolerance=0.25)
+        _assert_greedy_like(cluster, reference, (3, 40, 300, 1000), seed=5)
     finally:
         stop_cluster(cluster)
 
@@ -292,14 +299,7 @@ def test_up_with_prefill_and_decode_on_their_own_gpus():
         decode = cluster.worker_info("decode")
         assert decode.attention_backend == "fi" and decode.device == "cuda:1"
         assert cluster.worker_info("prefill").device == "cuda:0"
-        rng = random.Random(8)
-        for length in (5, 300):
-            prompt = [rng.randrange(256) for _ in range(length)]
-            got = generate(cluster.stub(), token_ids=generate_pb2.TokenIds(ids=prompt),
-                           sampling=generate_pb2.SamplingParams(max_new_tokens=24,
-                                                                ignore_eos=True))[0]
-            expected = local.generate(reference, prompt, SamplingParams(max_new_tokens=24))
-            _assert_same_or_near_tie(reference, prompt, expected, got, tolerance=0.25)
+        _assert_greedy_like(cluster, reference, (5, 300), seed=8)
     finally:
         stop_cluster(cluster)
 
