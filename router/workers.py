@@ -198,12 +198,19 @@ class WorkerPool:
                 health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
             if reply.status != health_pb2.HealthCheckResponse.SERVING:
                 return self.mark_unhealthy(worker, "not serving")
-            # Every probe refreshes the worker's load report (the policies' view of it).
+        except grpc.aio.AioRpcError as err:
+            return self.mark_unhealthy(worker, f"{err.code().name}: {err.details()}")
+        try:
+            # Every probe refreshes the worker's load report (the policies' view of it). Only
+            # the health check decides health: a busy worker slow to report keeps its last one.
             worker.info = await worker.stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(),
                                                           timeout=timeout_s)
             worker.sent_requests = worker.sent_pages = worker.sent_tokens = 0
         except grpc.aio.AioRpcError as err:
-            return self.mark_unhealthy(worker, f"{err.code().name}: {err.details()}")
+            if worker.info is None:   # never described itself: nothing to check it against
+                return self.mark_unhealthy(worker, f"{err.code().name}: {err.details()}")
+            log.debug("%s worker %s load report failed: %s", worker.role, worker.address,
+                      err.code().name)
         problem = self._incompatibility(worker.info)
         if problem:
             return self.mark_unhealthy(worker, problem)
