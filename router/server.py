@@ -38,7 +38,9 @@ RETRYABLE = WORKER_GONE | {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.A
 # reservation, say after restarting).
 DECODE_LOST = WORKER_GONE | {grpc.StatusCode.NOT_FOUND}
 
-MAX_ATTEMPTS = 3
+MAX_ATTEMPTS = 4
+WORKER_RETURN_WAIT_S = 5.0    # how long a request whose workers died waits for a healthy one
+WORKER_RETURN_POLL_S = 0.25
 INLINE_VALIDATION_BYTES = 64 << 10   # larger requests are validated off the event loop
 MAX_RECOVERIES = 2   # times a request may move to another pair after losing its decode worker
 
@@ -169,14 +171,25 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
         tried: set[str] = set()
         tried_prefill: set[str] = set()   # avoided while another prefill worker is healthy
         last_error: PdserveError | None = None
-        for _ in range(MAX_ATTEMPTS):
+        wait_until = time.monotonic() + WORKER_RETURN_WAIT_S
+        attempts = 0
+        while attempts < MAX_ATTEMPTS:
             try:
                 decode_worker = self.workers.pick("decode", job, exclude=frozenset(tried))
                 prefill_worker = self._pick_prefill(job, tried_prefill)
             except NoHealthyWorker:
                 if last_error is None:
                     raise
-                break  # every worker was tried: the client gets the last worker's answer
+                gone = getattr(last_error, "worker_code", last_error.code) in WORKER_GONE
+                if not gone or time.monotonic() > wait_until:
+                    break  # every worker was tried: the client gets the last worker's answer
+                # Workers died under this request: wait a little for one to be healthy
+                # again (a supervisor restarts it at the same address) rather than lose it.
+                await asyncio.sleep(WORKER_RETURN_POLL_S)
+                tried.clear()
+                tried_prefill.clear()
+                continue
+            attempts += 1
             async with PairAttempt(job, decode_worker, prefill_worker, self._cleanup) as pair:
                 try:
                     first_token = await self._prefill(pair, context)
