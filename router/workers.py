@@ -174,7 +174,7 @@ class WorkerPool:
             if self.metrics:
                 self.metrics.worker_healthy.remove(worker.role, worker.address)
                 self.metrics.worker_in_flight.remove(worker.role, worker.address)
-            await worker.channel.close()
+            await _close(worker)
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self._probe(w) for ws in self.workers.values() for w in ws))
@@ -229,4 +229,10 @@ class WorkerPool:
 
     async def close(self) -> None:
         for worker in [w for ws in self.workers.values() for w in ws] + self._retired:
-            await worker.channel.close()
+            await _close(worker)
+
+
+async def _close(worker: Worker) -> None:
+    if worker.decode_stream is not None:
+        await worker.decode_stream.close()
+    await worker.channel.close()

@@ -79,14 +79,10 @@ class SamplingTensors:
         ints = torch.tensor([[p.top_k, p.seed & _MASK32, (p.seed >> 32) & _MASK32,
                               r.output_index] for p, r in zip(params, rows)],
                             dtype=torch.long).to(device)
-        return cls(*floats.unbind(1), *ints.unbind(1), **flags(params))
-
-
-def flags(params: list[SamplingParams]) -> dict[str, bool]:
-    """The host-side summary of a batch that `SamplingTensors` carries."""
-    return {"all_greedy": all(p.is_greedy for p in params),
-            "any_filter": any(has_filter(p) for p in params),
-            "any_penalty": any(p.repetition_penalty != 1.0 for p in params)}
+        return cls(*floats.unbind(1), *ints.unbind(1),
+                   all_greedy=all(p.is_greedy for p in params),
+                   any_filter=any(has_filter(p) for p in params),
+                   any_penalty=any(p.repetition_penalty != 1.0 for p in params))
 
 
 def has_filter(params: SamplingParams) -> bool:
@@ -118,11 +114,10 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor,
 
 def gumbel_argmax(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """argmax(logits / T + Gumbel noise) per row; argmax(logits) where T is 0."""
-    if logits.is_cuda:
-        from pdserve.engine.sampling_kernel import gumbel_argmax_cuda, supported
-        if supported():
-            return gumbel_argmax_cuda(logits, st.temperature, st.seed_lo, st.seed_hi,
-                                      st.output_index)
+    if logits.is_cuda:   # Triton comes with CUDA builds of torch
+        from pdserve.engine.sampling_kernel import gumbel_argmax_cuda
+        return gumbel_argmax_cuda(logits, st.temperature, st.seed_lo, st.seed_hi,
+                                  st.output_index)
     uniform = uniform_noise(st.seed_lo, st.seed_hi, st.output_index, logits.shape[-1])
     temperature = st.temperature[:, None]
     scores = logits / torch.where(temperature > 0, temperature, 1.0) - torch.log(-torch.log(uniform))

@@ -6,18 +6,11 @@ row (T = 0) skips the noise. No [batch, vocab] intermediate is ever written.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 BLOCK = 2048
-
-
-@functools.cache
-def supported() -> bool:
-    return torch.cuda.is_available()
 
 
 @triton.jit
