@@ -182,6 +182,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
                     raise
                 gone = getattr(last_error, "worker_code", last_error.code) in WORKER_GONE
                 if not gone or time.monotonic() > wait_until:
+                    log.info("request %s: no healthy worker left to try (%s)", job.request_id,
+                             "waited" if gone else "not a worker loss")
                     break  # every worker was tried: the client gets the last worker's answer
                 # Workers died under this request: wait a little for one to be healthy
                 # again (a supervisor restarts it at the same address) rather than lose it.
@@ -194,7 +196,12 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
                 try:
                     first_token = await self._prefill(pair, context)
                 except RetryElsewhere as retry:
+                    log.info("request %s: attempt %d failed (%s); trying another pair",
+                             job.request_id, attempts, retry)
                     last_error = retry.error
+                    if (retry.error.worker_code in WORKER_GONE
+                            and time.monotonic() < wait_until):
+                        attempts -= 1   # a dead worker costs time (bounded), not an attempt
                     if retry.decode_address:
                         tried.add(retry.decode_address)
                     else:
