@@ -81,6 +81,8 @@ class PrefillConfig:
     transfer_timeout_s: float = setting(30.0, "longest a KV hand-off (or a handshake) may take")
     layerwise_transfer: bool = setting(True, "with cuda_ipc/nixl, send each layer's KV as it is "
                                        "computed (else after the prompt's last step)")
+    disable_prefix_cache: bool = setting(False, "compute every prompt from scratch instead of "
+                                         "reusing the KV pages of its longest cached prefix")
 
 
 @dataclass

@@ -110,7 +110,23 @@ class PrefillMetrics(WorkerMetrics):
     def __init__(self, worker: str) -> None:
         super().__init__(worker)
         self.prompt_tokens = self._metric(Counter, "pdserve_prompt_tokens_total",
-                                          "Prompt tokens computed")
+                                          "Prompt tokens of prompts prefilled (cached or not)")
+        self.computed_tokens = self._metric(Counter, "pdserve_prefill_computed_tokens_total",
+                                            "Prompt tokens computed by prefill steps (not "
+                                            "taken from the prefix cache)")
+        self.cache_hit_tokens = self._metric(Counter, "pdserve_prefix_cache_hit_tokens_total",
+                                             "Prompt tokens whose KV came from the prefix cache")
+        self.cache_evicted_pages = self._metric(Counter,
+                                                "pdserve_prefix_cache_evicted_pages_total",
+                                                "Cached KV pages evicted to make room")
+        self.cache_pages = self._metric(Gauge, "pdserve_prefix_cache_pages",
+                                        "KV pages the prefix cache holds (in use or evictable)")
+        self.cache_evictable_pages = self._metric(Gauge, "pdserve_prefix_cache_evictable_pages",
+                                                  "Cached KV pages no request uses (counted as "
+                                                  "available)")
+        self.cache_hit_rate = self._metric(Gauge, "pdserve_prefix_cache_hit_rate",
+                                           "Prompt tokens taken from the prefix cache over "
+                                           "prompt tokens admitted, since the worker started")
         self.batch_tokens = self._metric(Histogram, "pdserve_prefill_batch_size_tokens",
                                          "Prompt tokens in one prefill step", buckets=TOKEN_BUCKETS)
         self.batch_requests = self._metric(Histogram, "pdserve_prefill_batch_size_requests",
@@ -130,6 +146,14 @@ class PrefillMetrics(WorkerMetrics):
                                           buckets=BYTES_BUCKETS)
         self.transfer_errors = self._metric(Counter, "pdserve_kv_transfer_errors_total",
                                             "KV transfers that failed or timed out")
+
+
+    def watch_prefix_cache(self, pages: Any) -> None:
+        """Cache gauges read ``pages`` (a PrefixPages) when scraped."""
+        self.cache_pages.set_function(lambda: pages.cached_pages)
+        self.cache_evictable_pages.set_function(lambda: pages.evictable_pages)
+        self.cache_hit_rate.set_function(
+            lambda: pages.hit_tokens / pages.admitted_tokens if pages.admitted_tokens else 0.0)
 
 
 class DecodeMetrics(WorkerMetrics):

@@ -38,8 +38,10 @@ def sampling_from_proto(msg: worker_pb2.WorkerSampling) -> SamplingParams:
 
 def worker_info(runner: ModelRunner, role: str, worker: str, running: int, queued: int,
                 reservations: int, engines: list[str], held_pages: int,
-                fenced_pages: int = 0, queued_tokens: int = 0) -> worker_pb2.WorkerInfo:
-    """``held_pages``: pages the worker's requests and reservations hold (fenced included)."""
+                fenced_pages: int = 0, queued_tokens: int = 0, cached_pages: int = 0,
+                evictable_pages: int = 0) -> worker_pb2.WorkerInfo:
+    """``held_pages``: pages the worker's requests, reservations (fenced included) and prefix
+    cache hold."""
     cfg = runner.model_config
     allocator = runner.pool.allocator
     return worker_pb2.WorkerInfo(
@@ -49,4 +51,4 @@ def worker_info(runner: ModelRunner, role: str, worker: str, running: int, queue
         reservations=reservations, attention_backend=runner.backend_name,
         kv_transfer_engines=engines, fenced_pages=fenced_pages,
         leaked_pages=allocator.leaked(held_pages), device=str(runner.device),
-        queued_tokens=queued_tokens)
+        queued_tokens=queued_tokens, cached_pages=cached_pages, evictable_pages=evictable_pages)

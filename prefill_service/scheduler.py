@@ -23,6 +23,7 @@ from kv_transfer.link import DecodeLinks
 from pdserve.engine.batch import SeqInput
 from pdserve.engine.runner import ModelRunner
 from pdserve.errors import InvalidRequest, Overloaded
+from pdserve.kvcache.prefix_pages import PrefixPages, PromptPages
 from pdserve.metrics import PrefillMetrics
 from pdserve.sampling_params import SamplingParams, sample_row
 from prefill_service.handoff import Handoff
@@ -40,7 +41,9 @@ class PrefillTask:
     output_offset: int = 0                         # index of the token to sample
     result: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     pages: list[int] = field(default_factory=list)
+    page_set: PromptPages | None = None            # what owns those pages
     computed: int = 0                              # prompt tokens already in the pool
+    started: bool = False                          # a step has taken some of its tokens
     aborted: bool = False
     transfer: asyncio.Task | None = None           # the hand-off after the last step
     enqueued_at: float = field(default_factory=time.monotonic)
@@ -53,7 +56,7 @@ class PrefillTask:
 class PrefillScheduler:
     def __init__(self, runner: ModelRunner, links: DecodeLinks, chunk_size: int, max_queued: int,
                  metrics: PrefillMetrics, layerwise: bool = True,
-                 max_queue_wait_s: float = 60.0) -> None:
+                 max_queue_wait_s: float = 60.0, prefix_cache: bool = True) -> None:
         self.runner = runner
         self.links = links
         self.leases = LeaseKeeper(links)
@@ -70,8 +73,15 @@ class PrefillScheduler:
         self._wake = asyncio.Event()
         self._background: set[asyncio.Task] = set()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="prefill-step")
-        self.held_pages = 0                              # pages our tasks hold (leak check)
-        metrics.watch_pool(self.pool.allocator, lambda: self.held_pages)
+        self.pages = PrefixPages(self.pool.allocator, self.pool.page_size, prefix_cache,
+                                 on_evict=metrics.cache_evicted_pages.inc)
+        metrics.watch_pool(self.pool.allocator, lambda: self.pages.held_pages)
+        metrics.watch_prefix_cache(self.pages)
+
+    @property
+    def held_pages(self) -> int:
+        """Pages our tasks and the prefix cache hold (the leak check's count)."""
+        return self.pages.held_pages
 
     @property
     def num_running(self) -> int:
@@ -163,12 +173,13 @@ class PrefillScheduler:
                 "without starting"))
         while self._waiting:
             task = self._waiting[0]
-            needed = self.pool.pages_for(len(task.prompt_ids))
-            if not self.pool.allocator.can_alloc(needed):
+            page_set = self.pages.acquire(task.prompt_ids)
+            if page_set is None:
                 return  # first come, first served: later prompts wait behind this one
             self._waiting.popleft()
-            self.held_pages += needed   # counted first: the allocator's gauges read it
-            task.pages = self.pool.allocator.alloc(needed)
+            task.page_set, task.pages = page_set, page_set.pages
+            task.computed = page_set.cached_tokens
+            self.metrics.cache_hit_tokens.inc(page_set.cached_tokens)
             self._running.append(task)
 
     def _plan_step(self) -> list[tuple[PrefillTask, int]]:
@@ -189,7 +200,8 @@ class PrefillScheduler:
         rows = [sample_row(t.params, t.prompt_ids, [], t.output_offset) for t, _ in plan]
         now = time.monotonic()
         for task, _ in plan:
-            if task.computed == 0:
+            if not task.started:
+                task.started = True
                 self.metrics.queue_wait.observe(now - task.enqueued_at)
         self.metrics.batch_tokens.observe(sum(n for _, n in plan))
         self.metrics.batch_requests.observe(len(plan))
@@ -221,9 +233,12 @@ class PrefillScheduler:
                 self._release(task)
                 continue
             task.computed += taken
+            self.metrics.computed_tokens.inc(taken)
             if task.remaining == 0:
                 self._running.remove(task)
                 self.metrics.prompt_tokens.inc(len(task.prompt_ids))
+                if task.page_set is not None:
+                    self.pages.cache_prompt(task.page_set, task.prompt_ids)
                 self._transferring.add(task)
                 task.transfer = asyncio.get_running_loop().create_task(self._hand_off(task, token))
                 task.transfer.add_done_callback(lambda _, t=task: self._transfer_ended(t))
@@ -264,10 +279,9 @@ class PrefillScheduler:
             self._free(task)
 
     def _free(self, task: PrefillTask) -> None:
-        if task.pages:
-            pages, task.pages = task.pages, []
-            self.held_pages -= len(pages)
-            self.pool.allocator.free(pages)
+        if task.page_set is not None and not task.page_set.released:
+            task.pages = []
+            self.pages.release(task.page_set)
             self._wake.set()  # waiting prompts may fit now
 
     def _spawn(self, coro) -> asyncio.Task:  # noqa: ANN001

@@ -71,7 +71,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                            queued=self.scheduler.num_waiting, reservations=0,
                            engines=self.scheduler.links.engines_in_use,
                            held_pages=self.scheduler.held_pages,
-                           queued_tokens=self.scheduler.queued_tokens)
+                           queued_tokens=self.scheduler.queued_tokens,
+                           cached_pages=self.scheduler.pages.cached_pages,
+                           evictable_pages=self.scheduler.pages.evictable_pages)
 
 
 async def serve(config: PrefillConfig) -> None:
@@ -83,7 +85,8 @@ async def serve(config: PrefillConfig) -> None:
     links = DecodeLinks(runner.pool, config.transfer_timeout_s, identity, config.server.host)
     scheduler = PrefillScheduler(runner, links, config.chunk_size, config.max_queued_requests,
                                  metrics, layerwise=config.layerwise_transfer,
-                                 max_queue_wait_s=config.max_queue_wait_s)
+                                 max_queue_wait_s=config.max_queue_wait_s,
+                                 prefix_cache=not config.disable_prefix_cache)
     server.add(prefill_pb2_grpc.add_PrefillServiceServicer_to_server,
                PrefillServicer(runner, scheduler, worker, identity),
                [prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name])

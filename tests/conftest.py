@@ -68,7 +68,9 @@ class Cluster:
             return stub_cls(ch).GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=5)
 
     def free_pages(self) -> dict[str, int]:
-        return {role: self.worker_info(role).free_pages for role in ("prefill", "decode")}
+        """Pages each role's first worker could give a new request: free, or cached and used
+        by no request (prefill's prefix cache keeps finished prompts' pages)."""
+        return {role: available_pages(self.worker_info(role)) for role in ("prefill", "decode")}
 
     def leaked_pages(self) -> dict[str, int]:
         """Pages each worker's allocator has out that none of its requests holds (0 each)."""
@@ -80,7 +82,7 @@ class Cluster:
         while time.monotonic() < deadline:
             infos = [self.worker_info(role, i) for role in ("prefill", "decode")
                      for i in range(len(self.workers[role]))]
-            if all(info.free_pages == info.total_pages for info in infos):
+            if all(pages_at_rest(info) for info in infos):
                 return True
             time.sleep(0.05)
         return False
@@ -93,6 +95,16 @@ class Cluster:
             if now == expected or time.monotonic() > deadline:
                 return now
             time.sleep(0.05)
+
+
+def available_pages(info: worker_pb2.WorkerInfo) -> int:
+    return info.free_pages + info.evictable_pages
+
+
+def pages_at_rest(info: worker_pb2.WorkerInfo) -> bool:
+    """No request holds a page: each is free, or cached and used by none (evictable)."""
+    return (available_pages(info) == info.total_pages and info.cached_pages == info.evictable_pages
+            and info.leaked_pages == 0)
 
 
 def start_cluster(extra: list[str] | None = None, timeout_s: float = 120.0) -> Cluster:

@@ -68,7 +68,7 @@ def test_aborting_at_each_phase_frees_both_sides(phase, tiny_runner):
         links = DecodeLinks(src, timeout_s=10)
         # Small chunks: a long prompt takes many steps (others queue behind it meanwhile).
         scheduler = PrefillScheduler(tiny_runner, links, chunk_size=16, max_queued=8,
-                                     metrics=PrefillMetrics("t"))
+                                     metrics=PrefillMetrics("t"), prefix_cache=False)
         loop_task = asyncio.create_task(scheduler.run())
         src_free, dst_free = src.allocator.num_free, dst.allocator.num_free
 

@@ -209,7 +209,7 @@ def test_layerwise_sender_commits_before_its_writes_land(tiny_runner):
         server, table = await _decode_side(dst, engine="nixl", table_cls=Recording)
         links = DecodeLinks(src, timeout_s=10)
         scheduler = PrefillScheduler(tiny_runner, links, chunk_size=64, max_queued=8,
-                                     metrics=PrefillMetrics("t"))
+                                     metrics=PrefillMetrics("t"), prefix_cache=False)
         loop_task = asyncio.create_task(scheduler.run())
         free_before = src.allocator.num_free
         try:

@@ -14,7 +14,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-from conftest import start_cluster, stop_cluster
+from conftest import pages_at_rest, start_cluster, stop_cluster
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.engine import local
@@ -147,13 +147,12 @@ def test_soak_leaves_every_worker_idle_and_loses_no_accepted_request(tiny_runner
             except grpc.RpcError:   # a restarted worker still loading
                 infos, idle = [], False
             else:
-                idle = all(info.free_pages == info.total_pages and info.reservations == 0
-                           and info.leaked_pages == 0 for info in infos)
+                idle = all(pages_at_rest(info) and info.reservations == 0 for info in infos)
             if idle or time.monotonic() > deadline_at:
                 break
             time.sleep(0.2)
-        assert idle, [(i.worker_id, i.free_pages, i.total_pages, i.reservations, i.leaked_pages)
-                      for i in infos]
+        assert idle, [(i.worker_id, i.free_pages, i.evictable_pages, i.cached_pages,
+                       i.total_pages, i.reservations, i.leaked_pages) for i in infos]
         # The router counted no failure that no client saw.
         assert _router_outcomes(cluster).get("error", 0) == 0, _router_outcomes(cluster)
     finally:

@@ -70,8 +70,10 @@ class PageAllocator:
         return len(self._free)
 
     def leaked(self, held: int) -> int:
-        """Pages out of the free list that the owners' count ``held`` does not account for."""
-        return self.total - len(self._free) - held
+        """How far the owners' count ``held`` is from the pages out of the free list: pages
+        no owner accounts for, or pages an owner counts although they are free (say, both
+        cached and free); 0 when every page has exactly one owner."""
+        return abs(self.total - len(self._free) - held)
 
     def can_alloc(self, count: int) -> bool:
         return count <= len(self._free)
