@@ -171,7 +171,10 @@ class PrefillScheduler:
             self.abort(self._waiting[0], Overloaded(
                 f"prefill worker overloaded: a prompt waited {self.max_queue_wait_s:g} s "
                 "without starting"))
-        while self._waiting:
+        # Only what the next step can take: a prompt admitted later may find its prefix
+        # cached by the steps before it (and holds no pages meanwhile).
+        budget = self.chunk_size - sum(t.remaining for t in self._running)
+        while self._waiting and budget > 0:
             task = self._waiting[0]
             page_set = self.pages.acquire(task.prompt_ids)
             if page_set is None:
@@ -181,6 +184,7 @@ class PrefillScheduler:
             task.computed = page_set.cached_tokens
             self.metrics.cache_hit_tokens.inc(page_set.cached_tokens)
             self._running.append(task)
+            budget -= task.remaining
 
     def _plan_step(self) -> list[tuple[PrefillTask, int]]:
         budget = self.chunk_size
@@ -234,11 +238,12 @@ class PrefillScheduler:
                 continue
             task.computed += taken
             self.metrics.computed_tokens.inc(taken)
+            # Its whole computed pages join the cache now, not when the prompt ends: a prompt
+            # admitted next step that shares them computes them no more.
+            self.pages.cache_prompt(task.page_set, task.prompt_ids[:task.computed])
             if task.remaining == 0:
                 self._running.remove(task)
                 self.metrics.prompt_tokens.inc(len(task.prompt_ids))
-                if task.page_set is not None:
-                    self.pages.cache_prompt(task.page_set, task.prompt_ids)
                 self._transferring.add(task)
                 task.transfer = asyncio.get_running_loop().create_task(self._hand_off(task, token))
                 task.transfer.add_done_callback(lambda _, t=task: self._transfer_ended(t))

@@ -49,7 +49,10 @@ def pages_needed(worker: Worker, job: GenerationJob) -> int:
 
 
 def free_pages(worker: Worker) -> int:
-    return (worker.info.free_pages if worker.info else 0) - worker.sent_pages
+    """Pages the worker could give a request: free or cached-evictable, less what this router
+    has sent it since its last report."""
+    info = worker.info
+    return (info.free_pages + info.evictable_pages if info else 0) - worker.sent_pages
 
 
 def decode_load(worker: Worker) -> int:
@@ -65,7 +68,13 @@ def prefill_load(worker: Worker) -> int:
 class LeastLoaded:
     name = "least_loaded"
 
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
     def choose(self, candidates: Sequence[Worker], job: GenerationJob) -> tuple[Worker, str]:
+        # Equally loaded workers take turns (min keeps the first of equals: rotate the start).
+        start = next(self._turn) % len(candidates)
+        candidates = [*candidates[start:], *candidates[:start]]
         if candidates[0].role == "prefill":
             return min(candidates, key=prefill_load), "least_tokens_waiting"
         roomy = [w for w in candidates if free_pages(w) >= pages_needed(w, job)]
@@ -95,6 +104,7 @@ class CacheAware(LeastLoaded):
 
     def __init__(self, max_imbalance_tokens: int,
                  max_blocks: int = MAX_INDEXED_BLOCKS) -> None:
+        super().__init__()
         self.max_imbalance_tokens = max_imbalance_tokens
         self.max_blocks = max_blocks
         self._seen: OrderedDict[int, set[str]] = OrderedDict()   # block key -> worker addresses

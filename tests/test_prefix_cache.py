@@ -268,3 +268,27 @@ def test_pages_of_finished_prompts_stay_cached_but_count_as_available(cluster):
     info = cluster.worker_info("prefill")
     assert info.cached_pages > 0
     assert pages_at_rest(info)
+
+
+def test_a_burst_sharing_a_prefix_computes_it_once(cluster, tiny_runner):
+    """Four prompts sharing 200 tokens, sent at once: prefill admits a prompt only when the next
+    step can take it and caches each chunk's whole pages as it goes, so the later ones find
+    the prefix cached even before the first one ends."""
+    rng = random.Random(31337)
+    shared = [rng.randrange(256) for _ in range(200)]
+    prompts = [shared + [rng.randrange(256) for _ in range(8)] for _ in range(4)]
+    url = cluster.metrics_urls["prefill0"]
+    computed_before = _metric(url, "pdserve_prefill_computed_tokens_total")
+    stub = cluster.stub()
+
+    def run(prompt: list[int]) -> list[int]:
+        return generate(stub, token_ids=generate_pb2.TokenIds(ids=prompt),
+                        sampling=generate_pb2.SamplingParams(max_new_tokens=5, ignore_eos=True))[0]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        outputs = list(pool.map(run, prompts))
+    for prompt, ids in zip(prompts, outputs):
+        assert ids == local.generate(tiny_runner, prompt, SamplingParams(max_new_tokens=5))
+    computed = _metric(url, "pdserve_prefill_computed_tokens_total") - computed_before
+    # The first computes 208 tokens; each later one at most a chunk (48) plus its own 8.
+    assert computed <= 208 + 3 * (48 + 8), computed

@@ -107,3 +107,31 @@ def test_router_sends_nothing_to_a_decode_worker_too_small_for_the_request():
         assert decisions == {"room": 4.0}
     finally:
         cluster.stop()
+
+
+def _prefill_hits(port: int) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return sum(float(v) for v in re.findall(
+        r"^pdserve_prefix_cache_hit_tokens_total\{[^}]*\} (\S+)$", text, re.M))
+
+
+def test_requests_sharing_a_prefix_reuse_one_prefill_workers_cache():
+    """Two prefill workers, four groups of prompts sharing a 64-token prefix: every prompt after
+    a group's first finds that prefix cached (the router sent it where the first went), and
+    the groups spread over both workers."""
+    ports = {name: free_port() for name in ("prefill0", "prefill1")}
+    cluster = start_roles(["prefill", "prefill", "decode"],
+                          worker_flags={n: ["--metrics-port", str(p)] for n, p in ports.items()})
+    try:
+        stub = cluster.stub()
+        prompt_tokens = {}
+        for group in range(4):
+            prefix = [(group * 61 + i) % 251 + 1 for i in range(64)]
+            for member in range(4):
+                generate(stub, token_ids=generate_pb2.TokenIds(ids=prefix + [member + 1] * 9),
+                         sampling=generate_pb2.SamplingParams(max_new_tokens=2))
+        hits = {name: _prefill_hits(port) for name, port in ports.items()}
+        assert sum(hits.values()) == 4 * 3 * 64, hits
+        assert all(hits.values()), hits     # both workers cached some group
+    finally:
+        cluster.stop()
