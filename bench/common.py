@@ -61,15 +61,17 @@ def free_port() -> int:
 
 def start_up(flags: list[str]) -> tuple[subprocess.Popen, str, dict[str, str]]:
     """Runs `pdserve up FLAGS` on a free port until it says ready. Returns the process, the
-    router's address and each worker's metrics address (host:port) by role name."""
+    router's address and each worker's metrics address (host:port) by role name (the first
+    of a role) and by worker name (``prefill0``, ``prefill1``, ...)."""
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--port", str(port),
                                 "--log-level", "WARNING", *flags], stdout=subprocess.PIPE, text=True)
-    metrics = {}
+    metrics: dict[str, str] = {}
     for line in process.stdout:
         match = re.match(r"(\w+)\s+grpc=\S+\s+metrics=http://(\S+)/metrics", line)
         if match:
-            metrics[match[1]] = match[2]
+            metrics.setdefault(match[1], match[2])
+            metrics[f"{match[1]}{sum(k.startswith(match[1]) for k in metrics) - 1}"] = match[2]
         if "ready" in line:
             return process, f"127.0.0.1:{port}", metrics
     raise SystemExit(f"pdserve up exited with {process.wait()}")

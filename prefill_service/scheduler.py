@@ -174,17 +174,37 @@ class PrefillScheduler:
         # Only what the next step can take: a prompt admitted later may find its prefix
         # cached by the steps before it (and holds no pages meanwhile).
         budget = self.chunk_size - sum(t.remaining for t in self._running)
+        deferred: list[PrefillTask] = []
         while self._waiting and budget > 0:
-            task = self._waiting[0]
+            task = self._waiting.popleft()
+            if self._computing_its_next_page(task):
+                deferred.append(task)   # next step it finds that page cached
+                continue
             page_set = self.pages.acquire(task.prompt_ids)
             if page_set is None:
-                return  # first come, first served: later prompts wait behind this one
-            self._waiting.popleft()
+                self._waiting.appendleft(task)
+                break  # first come, first served: later prompts wait behind this one
             task.page_set, task.pages = page_set, page_set.pages
             task.computed = page_set.cached_tokens
             self.metrics.cache_hit_tokens.inc(page_set.cached_tokens)
             self._running.append(task)
             budget -= task.remaining
+        self._waiting.extendleft(reversed(deferred))
+
+    def _computing_its_next_page(self, task: PrefillTask) -> bool:
+        """Whether a running prompt is about to compute the first page ``task`` would compute
+        (the same tokens from the start): prompts of a burst that share a prefix then compute
+        it once, one step apart, instead of side by side."""
+        if self.pages.cache is None:
+            return False
+        page_size = self.pool.page_size
+        end = self.pages.cached_tokens(task.prompt_ids) + page_size
+        if end >= len(task.prompt_ids):
+            return False
+        head = task.prompt_ids[:end]
+        return any(other.computed < end <= len(other.prompt_ids)
+                   and other.prompt_ids[end - page_size:end] == head[end - page_size:]
+                   and other.prompt_ids[:end] == head for other in self._running)
 
     def _plan_step(self) -> list[tuple[PrefillTask, int]]:
         budget = self.chunk_size

@@ -43,7 +43,7 @@ def test_a_prompt_that_cannot_start_in_time_is_resource_exhausted():
     cluster = start_roles(["prefill", "decode"], prefill_flags=["--max-queue-wait-s", "0.05",
                                                                 "--num-pages", "240"])
     try:
-        prompts = [[5] * 900 for _ in range(8)]
+        prompts = [[5 + i] * 900 for i in range(8)]   # distinct: no prefix cached
         codes, details = [], []
 
         def one(prompt: list[int]) -> None:

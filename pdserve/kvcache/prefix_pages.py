@@ -62,6 +62,12 @@ class PrefixPages:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    def cached_tokens(self, prompt_ids: Sequence[int]) -> int:
+        """How many of the prompt's tokens ``acquire`` would take from the cache now."""
+        if self.cache is None:
+            return 0
+        return len(self.cache.match(prompt_ids[:len(prompt_ids) - 1])[0]) * self.page_size
+
     def acquire(self, prompt_ids: Sequence[int]) -> PromptPages | None:
         """The pages for ``prompt_ids`` (its cached prefix locked), or None if they do not
         fit even after evicting every unused cached page (nothing is then held)."""
