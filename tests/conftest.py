@@ -97,6 +97,14 @@ class Cluster:
             time.sleep(0.05)
 
 
+def metric_sum(url: str, name: str) -> float:
+    """The sum of a metric's series on a /metrics page."""
+    import urllib.request
+
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return sum(float(v) for v in re.findall(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M))
+
+
 def available_pages(info: worker_pb2.WorkerInfo) -> int:
     return info.free_pages + info.evictable_pages
 

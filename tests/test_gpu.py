@@ -5,7 +5,7 @@ import random
 
 import pytest
 import torch
-from conftest import generate, pages_at_rest, start_cluster, stop_cluster
+from conftest import generate, metric_sum, pages_at_rest, start_cluster, stop_cluster
 
 from pdserve.attention import create_backend, resolve_backend
 from pdserve.config import EngineConfig
@@ -183,6 +183,34 @@ def _assert_greedy_like(cluster, reference: ModelRunner, lengths: tuple[int, ...
                                                             ignore_eos=True))[0]
         expected = local.generate(reference, prompt, SamplingParams(max_new_tokens=24))
         _assert_same_or_near_tie(reference, prompt, expected, got, tolerance=0.25)
+
+
+def test_prefix_cache_on_gpu_matches_torch_backend():
+    """FA3/FlashInfer prefill over cached pages plus new chunks (the prefix cache on) gives
+    the torch backend's greedy tokens for shared, partial-page, page-boundary and chunked
+    prefixes."""
+    cluster = start_cluster(["--model", "small", "--page-size", "16", "--num-pages", "4096",
+                             "--cuda-graph-max-bs", "32", "--chunk-size", "256"])
+    reference = ModelRunner(EngineConfig(model="small", page_size=16, num_pages=1024,
+                                         attention_backend="torch"), "prefill")
+    rng = random.Random(11)
+    base = [rng.randrange(256) for _ in range(700)]
+    tail = lambda n: [rng.randrange(256) for _ in range(n)]   # noqa: E731
+    prompts = [base + tail(30), base + tail(5), base[:40] + tail(100), base[:512],
+               base[:300] + tail(400), tail(50)]
+    prompts.append(prompts[0])
+    try:
+        url = cluster.metrics_urls["prefill0"]
+        for prompt in prompts:
+            got = generate(cluster.stub(), token_ids=generate_pb2.TokenIds(ids=prompt),
+                           sampling=generate_pb2.SamplingParams(max_new_tokens=16,
+                                                                ignore_eos=True))[0]
+            expected = local.generate(reference, prompt, SamplingParams(max_new_tokens=16))
+            _assert_same_or_near_tie(reference, prompt, expected, got, tolerance=0.25)
+        hits = metric_sum(url, "pdserve_prefix_cache_hit_tokens_total")
+        assert hits >= 688 + 32 + 496 + 288 + 720, hits
+    finally:
+        stop_cluster(cluster)
 
 
 def test_cluster_on_gpu_matches_torch_backend():

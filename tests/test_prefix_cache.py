@@ -2,12 +2,10 @@
 from __future__ import annotations
 
 import random
-import re
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import generate, pages_at_rest
+from conftest import generate, metric_sum, pages_at_rest
 
 from pdserve.engine import local
 from pdserve.kvcache.pool import PageAllocator
@@ -197,11 +195,6 @@ def test_disabled_cache_keeps_nothing():
 
 # Served prompts ---------------------------------------------------------------------------------
 
-def _metric(url: str, name: str) -> float:
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    return sum(float(v) for v in re.findall(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M))
-
-
 def test_cached_prefixes_give_exactly_the_single_process_tokens(cluster, tiny_runner):
     """Shared prefixes of 0%, part of a page, many pages (chunked: the chunk is 48 tokens),
     a whole prompt, and a prompt ending on a page boundary: greedy and seeded tokens equal a
@@ -220,7 +213,7 @@ def test_cached_prefixes_give_exactly_the_single_process_tokens(cluster, tiny_ru
     ]
     prompts[4] = prompts[0]
     url = cluster.metrics_urls["prefill0"]
-    hits_before = _metric(url, "pdserve_prefix_cache_hit_tokens_total")
+    hits_before = metric_sum(url, "pdserve_prefix_cache_hit_tokens_total")
     stub = cluster.stub()
     sampled = dict(temperature=0.8, top_p=0.95, seed=77)
 
@@ -237,9 +230,9 @@ def test_cached_prefixes_give_exactly_the_single_process_tokens(cluster, tiny_ru
     for prompt, ids in zip(prompts, seeded):
         assert ids == local.generate(tiny_runner, prompt,
                                      SamplingParams(max_new_tokens=8, **sampled))
-    hits = _metric(url, "pdserve_prefix_cache_hit_tokens_total") - hits_before
+    hits = metric_sum(url, "pdserve_prefix_cache_hit_tokens_total") - hits_before
     assert hits >= 120 + 8 + 92 + 124 + 48     # at least what the greedy pass could reuse
-    assert _metric(url, "pdserve_prefix_cache_pages") > 0
+    assert metric_sum(url, "pdserve_prefix_cache_pages") > 0
 
 
 def test_a_conversation_resent_turn_after_turn_hits_the_cache(cluster):
@@ -250,10 +243,10 @@ def test_a_conversation_resent_turn_after_turn_hits_the_cache(cluster):
     last_prompt_len = 0
     for _turn in range(4):
         conversation += [rng.randrange(256) for _ in range(21)]   # the user's message
-        hits_before = _metric(url, "pdserve_prefix_cache_hit_tokens_total")
+        hits_before = metric_sum(url, "pdserve_prefix_cache_hit_tokens_total")
         ids = generate(stub, token_ids=generate_pb2.TokenIds(ids=conversation),
                        sampling=generate_pb2.SamplingParams(max_new_tokens=6, ignore_eos=True))[0]
-        hits = _metric(url, "pdserve_prefix_cache_hit_tokens_total") - hits_before
+        hits = metric_sum(url, "pdserve_prefix_cache_hit_tokens_total") - hits_before
         # The whole pages of the previous turn's prompt were cached (the replies are not: the
         # decode worker keeps no cache).
         assert hits == last_prompt_len // PAGE * PAGE
@@ -278,7 +271,7 @@ def test_a_burst_sharing_a_prefix_computes_it_once(cluster, tiny_runner):
     shared = [rng.randrange(256) for _ in range(200)]
     prompts = [shared + [rng.randrange(256) for _ in range(8)] for _ in range(4)]
     url = cluster.metrics_urls["prefill0"]
-    computed_before = _metric(url, "pdserve_prefill_computed_tokens_total")
+    computed_before = metric_sum(url, "pdserve_prefill_computed_tokens_total")
     stub = cluster.stub()
 
     def run(prompt: list[int]) -> list[int]:
@@ -289,6 +282,6 @@ def test_a_burst_sharing_a_prefix_computes_it_once(cluster, tiny_runner):
         outputs = list(pool.map(run, prompts))
     for prompt, ids in zip(prompts, outputs):
         assert ids == local.generate(tiny_runner, prompt, SamplingParams(max_new_tokens=5))
-    computed = _metric(url, "pdserve_prefill_computed_tokens_total") - computed_before
+    computed = metric_sum(url, "pdserve_prefill_computed_tokens_total") - computed_before
     # The first computes 208 tokens; each later one at most a chunk (48) plus its own 8.
     assert computed <= 208 + 3 * (48 + 8), computed
