@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import random
 import re
@@ -66,31 +67,44 @@ def percentiles(values: list[float]) -> dict[str, float]:
     return {f"p{q}": round(cuts[q - 1], 1) for q in (50, 90, 99)}
 
 
-async def _generate(stub, prompt: list[int], max_new: int, seed: int) -> tuple[float, list[int]]:
+async def _generate(stub, prompt: list[int], max_new: int, seed: int) -> float | None:
+    """Streams one request; its TTFT in seconds (None if it failed)."""
+    import grpc
+
     from protos.pdserve.v1 import generate_pb2
 
     request = generate_pb2.GenerateRequest(
         token_ids=generate_pb2.TokenIds(ids=prompt), stream=True,
         sampling=generate_pb2.SamplingParams(max_new_tokens=max_new, ignore_eos=True,
                                              temperature=0.6, seed=seed))
-    started, ttft, ids = time.perf_counter(), None, []
-    async for response in stub.Generate(request, timeout=3600):
-        if ttft is None and response.token_ids:
-            ttft = time.perf_counter() - started
-        ids.extend(response.token_ids)
-    return (ttft if ttft is not None else time.perf_counter() - started), ids
+    started, ttft = time.perf_counter(), None
+    try:
+        async for response in stub.Generate(request, timeout=3600):
+            if ttft is None and response.token_ids:
+                ttft = time.perf_counter() - started
+    except grpc.aio.AioRpcError as err:
+        print(f"request {seed}: {err.code().name}: {err.details()}", file=sys.stderr)
+        return None
+    return ttft
 
 
-async def run_all_at_once(router: str, prompts: list[list[int]], max_new: int) -> list[float]:
+async def run_arrivals(router: str, prompts: list[list[int]], max_new: int,
+                       rate: float, rng: random.Random) -> list[float | None]:
+    """Sends ``prompts`` as a Poisson process of ``rate`` requests/s (all at once if inf)."""
     import grpc
 
     from protos.pdserve.v1 import generate_pb2_grpc
 
+    gaps = [0.0 if rate == float("inf") else rng.expovariate(rate) for _ in prompts]
     async with grpc.aio.insecure_channel(router) as channel:
         stub = generate_pb2_grpc.GenerationServiceStub(channel)
-        results = await asyncio.gather(*(_generate(stub, p, max_new, i)
-                                         for i, p in enumerate(prompts)))
-    return [ttft for ttft, _ in results]
+
+        async def arrive(index: int, at: float) -> float | None:
+            await asyncio.sleep(at)
+            return await _generate(stub, prompts[index], max_new, index)
+
+        arrivals = itertools.accumulate(gaps)
+        return list(await asyncio.gather(*(arrive(i, at) for i, at in enumerate(arrivals))))
 
 
 async def run_chats(router: str, rng: random.Random, vocab: int, conversations: int, turns: int,
@@ -105,13 +119,14 @@ async def run_chats(router: str, rng: random.Random, vocab: int, conversations: 
         messages = [[[rng.randrange(vocab) for _ in range(message)] for _ in range(turns)]
                     for _ in range(conversations)]
 
-        async def chat(index: int) -> list[float]:
+        async def chat(index: int) -> list[float | None]:
             history, ttfts = list(starts[index]), []
             for turn in range(turns):
                 history += messages[index][turn]
-                ttft, reply = await _generate(stub, history, max_new, index * 1000 + turn)
-                ttfts.append(ttft)
-                history += reply
+                ttfts.append(await _generate(stub, history, max_new, index * 1000 + turn))
+                # The reply as the client would resend it (its ids do not change what is
+                # cached: decode keeps no cache).
+                history += [rng.randrange(vocab) for _ in range(max_new)]
             return ttfts
 
         return [t for ttfts in await asyncio.gather(*(chat(i) for i in range(conversations)))
@@ -132,6 +147,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny", help="model folder or preset")
     parser.add_argument("--workloads", default="shared,chat", help="shared, chat, random")
+    parser.add_argument("--request-rates", default="inf", help="shared/random: arrival rates "
+                        "to run, requests/s (Poisson; inf: all at once), comma-separated")
     parser.add_argument("--groups", type=int, default=64)
     parser.add_argument("--members", type=int, default=8)
     parser.add_argument("--prefix", type=int, default=2048, help="shared prefix tokens")
@@ -158,19 +175,21 @@ def main() -> None:
     rows = {}
     try:
         vocab = min(model_vocab(router), 32000)
-        asyncio.run(run_all_at_once(router, [[1, 2, 3]], 2))   # warm-up
-        for workload in args.workloads.split(","):
-            rng = random.Random(workload)   # its own draws: workloads share nothing
+        asyncio.run(run_arrivals(router, [[1, 2, 3]], 2, float("inf"), random.Random(0)))
+        runs = [(w, float(r)) for w in args.workloads.split(",")
+                for r in (args.request_rates.split(",") if w != "chat" else ["inf"])]
+        for workload, rate in runs:
+            rng = random.Random(f"{workload}@{rate}")   # its own draws: runs share nothing
             before = scrape(prefill_metrics)
             started = time.perf_counter()
             if workload == "shared":
                 prompts = shared_prefix_workload(rng, vocab, args.groups, args.members,
                                                  args.prefix, args.suffix)
-                ttfts = asyncio.run(run_all_at_once(router, prompts, args.max_new))
+                ttfts = asyncio.run(run_arrivals(router, prompts, args.max_new, rate, rng))
             elif workload == "random":
                 prompts = [[rng.randrange(vocab) for _ in range(args.prefix + args.suffix)]
                            for _ in range(args.groups * args.members)]
-                ttfts = asyncio.run(run_all_at_once(router, prompts, args.max_new))
+                ttfts = asyncio.run(run_arrivals(router, prompts, args.max_new, rate, rng))
             elif workload == "chat":
                 ttfts = asyncio.run(run_chats(router, rng, vocab, args.conversations, args.turns,
                                               args.system, args.message, args.max_new))
@@ -179,9 +198,12 @@ def main() -> None:
             wall_s = time.perf_counter() - started
             after = scrape(prefill_metrics)
             counts = {k: int(after[k] - before[k]) for k in after}
-            rows[workload] = {"requests": len(ttfts), "wall_s": round(wall_s, 2),
-                              "ttft_ms": percentiles([t * 1e3 for t in ttfts]), **counts}
-            print(workload, json.dumps(rows[workload]), flush=True)
+            done = [t for t in ttfts if t is not None]
+            name = workload if workload == "chat" else f"{workload}@{rate:g}"
+            rows[name] = {"requests": len(ttfts), "failed": len(ttfts) - len(done),
+                          "request_rate": f"{rate:g}", "wall_s": round(wall_s, 2),
+                          "ttft_ms": percentiles([t * 1e3 for t in done]), **counts}
+            print(name, json.dumps(rows[name]), flush=True)
     finally:
         if process is not None:
             process.send_signal(signal.SIGTERM)
