@@ -223,17 +223,18 @@ class RoleProcesses:
     def stub(self) -> generate_pb2_grpc.GenerationServiceStub:
         return generate_pb2_grpc.GenerationServiceStub(grpc.insecure_channel(self.router))
 
-    def leaked_pages(self) -> dict[str, int]:
-        """Pages each live worker's allocator has out that none of its requests holds."""
+    def worker_info_of(self, name: str) -> worker_pb2.WorkerInfo:
+        """GetWorkerInfo of one worker, by name ("prefill0", "decode1", ...)."""
         stubs = {"prefill": prefill_pb2_grpc.PrefillServiceStub,
                  "decode": decode_pb2_grpc.DecodeServiceStub}
-        leaked = {}
-        for name, address in self.addresses.items():
-            if self.processes[name].poll() is None:
-                with grpc.insecure_channel(address) as ch:
-                    leaked[name] = stubs[name.rstrip("0123456789")](ch).GetWorkerInfo(
-                        worker_pb2.GetWorkerInfoRequest(), timeout=5).leaked_pages
-        return leaked
+        with grpc.insecure_channel(self.addresses[name]) as ch:
+            return stubs[name.rstrip("0123456789")](ch).GetWorkerInfo(
+                worker_pb2.GetWorkerInfoRequest(), timeout=5)
+
+    def leaked_pages(self) -> dict[str, int]:
+        """Pages each live worker's allocator has out that none of its requests holds."""
+        return {name: self.worker_info_of(name).leaked_pages for name in self.addresses
+                if self.processes[name].poll() is None}
 
     def stop(self) -> None:
         """Stops every process; fails if a live worker leaked pages."""

@@ -5,7 +5,7 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import generate, metric_sum, pages_at_rest
+from conftest import free_port, generate, metric_sum, pages_at_rest, start_roles
 
 from pdserve.engine import local
 from pdserve.kvcache.pool import PageAllocator
@@ -27,7 +27,7 @@ def _tokens(*runs: tuple[int, int]) -> list[int]:
 def test_match_returns_whole_cached_pages_of_the_longest_prefix():
     cache = RadixCache(PAGE)
     prompt = list(range(14))                  # 3 whole pages and 2 tokens
-    node, adopted = cache.insert(prompt, [10, 11, 12, 13])
+    _, adopted = cache.insert(prompt, [10, 11, 12, 13])
     assert adopted == {10, 11, 12}            # the partial page is never cached
     assert cache.match(prompt)[0] == [10, 11, 12]
     assert cache.match(list(range(9)) + [99, 99])[0] == [10, 11]   # 2.25 pages shared
@@ -285,3 +285,28 @@ def test_a_burst_sharing_a_prefix_computes_it_once(cluster, tiny_runner):
     computed = metric_sum(url, "pdserve_prefill_computed_tokens_total") - computed_before
     # The first computes 208 tokens; each later one at most a chunk (48) plus its own 8.
     assert computed <= 208 + 3 * (48 + 8), computed
+
+
+def test_a_small_prefill_pool_evicts_cached_prompts_and_stays_exact(tiny_runner):
+    """A prefill pool of 79 pages (316 tokens): every new prompt evicts cached ones, outputs stay
+    a single process's, and at rest every page is free or evictable."""
+    port = free_port()
+    cluster = start_roles(["prefill", "decode"], worker_flags={
+        "prefill0": ["--num-pages", "80", "--metrics-port", str(port)]})
+    try:
+        rng = random.Random(4)
+        shared = [rng.randrange(256) for _ in range(60)]
+        prompts = [shared + [rng.randrange(256) for _ in range(90)] for _ in range(6)]
+        prompts += [[rng.randrange(256) for _ in range(300)], prompts[0]]
+        for prompt in prompts:
+            ids = generate(cluster.stub(), token_ids=generate_pb2.TokenIds(ids=prompt),
+                           sampling=generate_pb2.SamplingParams(max_new_tokens=6,
+                                                                ignore_eos=True))[0]
+            assert ids == local.generate(tiny_runner, prompt, SamplingParams(max_new_tokens=6))
+        url = f"http://127.0.0.1:{port}/metrics"
+        assert metric_sum(url, "pdserve_prefix_cache_evicted_pages_total") > 0
+        assert metric_sum(url, "pdserve_prefix_cache_hit_tokens_total") >= 5 * 60
+        info = cluster.worker_info_of("prefill0")
+        assert pages_at_rest(info) and info.cached_pages > 0
+    finally:
+        cluster.stop()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 __all__ = ["RadixCache", "RadixNode"]
 
@@ -143,7 +143,7 @@ class RadixCache:
     def locked_pages(self) -> int:
         return self.cached_pages - self.evictable_pages
 
-    def _nodes(self):  # noqa: ANN202
+    def _nodes(self) -> Iterator[RadixNode]:
         stack = list(self.root.children.values())
         while stack:
             node = stack.pop()
