@@ -9,6 +9,7 @@ import asyncio
 import sys
 from typing import Any
 
+from pdserve import __version__
 from pdserve.config import (
     DecodeConfig,
     EngineConfig,
@@ -37,6 +38,7 @@ def _role_parser(sub: Any, name: str, help_text: str) -> argparse.ArgumentParser
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"pdserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = _role_parser(sub, "up", "start a router and its workers on this host")

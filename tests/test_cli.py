@@ -143,3 +143,14 @@ def test_a_busy_port_is_refused_not_shared():
             Server("127.0.0.1", first.port)
 
     asyncio.run(scenario())
+
+
+def test_version_is_one_line():
+    import subprocess
+    import sys
+
+    import pdserve
+
+    out = subprocess.run([sys.executable, "-m", "pdserve", "--version"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout == f"pdserve {pdserve.__version__}\n"
