@@ -1,6 +1,7 @@
 """Shared by the benchmark scripts: timing on the GPU, device limits, writing results."""
 from __future__ import annotations
 
+import collections
 import json
 import platform
 import re
@@ -67,11 +68,14 @@ def start_up(flags: list[str]) -> tuple[subprocess.Popen, str, dict[str, str]]:
     process = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--port", str(port),
                                 "--log-level", "WARNING", *flags], stdout=subprocess.PIPE, text=True)
     metrics: dict[str, str] = {}
+    counts: collections.Counter[str] = collections.Counter()
     for line in process.stdout:
         match = re.match(r"(\w+)\s+grpc=\S+\s+metrics=http://(\S+)/metrics", line)
         if match:
-            metrics.setdefault(match[1], match[2])
-            metrics[f"{match[1]}{sum(k.startswith(match[1]) for k in metrics) - 1}"] = match[2]
+            role, address = match[1], match[2]
+            metrics.setdefault(role, address)
+            metrics[f"{role}{counts[role]}"] = address
+            counts[role] += 1
         if "ready" in line:
             return process, f"127.0.0.1:{port}", metrics
     raise SystemExit(f"pdserve up exited with {process.wait()}")

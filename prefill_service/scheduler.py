@@ -195,9 +195,12 @@ class PrefillScheduler:
         """Whether a running prompt is about to compute the first page ``task`` would compute
         (the same tokens from the start): prompts of a burst that share a prefix then compute
         it once, one step apart, instead of side by side."""
-        if self.pages.cache is None:
-            return False
         page_size = self.pool.page_size
+        first_page = task.prompt_ids[:page_size]
+        # Cheap first: no running prompt starts like it (say, unrelated prompts), no match.
+        if self.pages.cache is None or not any(other.prompt_ids[:page_size] == first_page
+                                               for other in self._running):
+            return False
         end = self.pages.cached_tokens(task.prompt_ids) + page_size
         if end >= len(task.prompt_ids):
             return False
@@ -260,7 +263,7 @@ class PrefillScheduler:
             self.metrics.computed_tokens.inc(taken)
             # Its whole computed pages join the cache now, not when the prompt ends: a prompt
             # admitted next step that shares them computes them no more.
-            self.pages.cache_prompt(task.page_set, task.prompt_ids[:task.computed])
+            self.pages.cache_prompt(task.page_set, task.prompt_ids, task.computed)
             if task.remaining == 0:
                 self._running.remove(task)
                 self.metrics.prompt_tokens.inc(len(task.prompt_ids))

@@ -103,6 +103,21 @@ def test_a_prompt_takes_its_cached_prefix_and_computes_only_the_rest():
     pages.check()
 
 
+def test_caching_chunk_by_chunk_walks_on_from_what_the_prompt_holds():
+    pages = _pages()
+    prompt = _tokens((1, 10), (2, 20))                    # 7.5 pages
+    held = pages.acquire(prompt)
+    for computed in (6, 13, 16, 30):                      # chunks ending mid-page and on one
+        pages.cache_prompt(held, prompt, computed)
+        assert pages.cached_pages == computed // PAGE
+        assert pages.cache.match(prompt)[0] == held.pages[:computed // PAGE]
+        pages.check()
+    assert pages.cache.locked_pages == 7 and pages.request_pages == 1
+    pages.release(held)
+    assert pages.cache.locked_pages == 0 and pages.available_pages == pages.allocator.total
+    pages.check()
+
+
 def test_a_prompt_ending_on_a_page_boundary_recomputes_its_last_page():
     pages = _pages()
     prompt = _tokens((1, 8))
@@ -168,6 +183,7 @@ def test_random_workload_keeps_every_page_in_exactly_one_state():
         if live and (rng.random() < 0.45 or len(live) > 6):
             prompt_pages, prompt = live.pop(rng.randrange(len(live)))
             if rng.random() < 0.7:            # finished; else failed before its KV existed
+                pages.cache_prompt(prompt_pages, prompt, rng.randrange(len(prompt) + 1))
                 pages.cache_prompt(prompt_pages, prompt)
             pages.release(prompt_pages)
         else:

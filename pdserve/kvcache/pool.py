@@ -75,6 +75,9 @@ class PageAllocator:
         cached and free); 0 when every page has exactly one owner."""
         return abs(self.total - len(self._free) - held)
 
+    def in_use(self, page: int) -> bool:
+        return bool(self._in_use[page])
+
     def can_alloc(self, count: int) -> bool:
         return count <= len(self._free)
 

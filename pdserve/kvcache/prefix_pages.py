@@ -90,12 +90,17 @@ class PrefixPages:
         self.hit_tokens += len(cached) * self.page_size
         return PromptPages(cached + own, len(cached) * self.page_size, own, node)
 
-    def cache_prompt(self, prompt: PromptPages, prompt_ids: Sequence[int]) -> None:
-        """After ``prompt_ids``' KV is computed: its full pages join the cache (those it
-        already had stay the prompt's, to be freed), still locked until ``release``."""
+    def cache_prompt(self, prompt: PromptPages, prompt_ids: Sequence[int],
+                     computed: int | None = None) -> None:
+        """After the KV of the first ``computed`` (default: all) of ``prompt_ids`` is in the
+        pool: its whole pages join the cache (those the cache already had stay the prompt's,
+        to be freed), still locked until ``release``. Walks on from what the prompt holds,
+        so calling it after every chunk costs the new pages only."""
         if self.cache is None or prompt.released:
             return
-        node, adopted = self.cache.insert(prompt_ids, prompt.pages)
+        node, adopted = self.cache.insert(prompt_ids, prompt.pages, computed, after=prompt.node)
+        if node is prompt.node:
+            return   # no new whole page
         self.cache.lock(node)
         if prompt.node is not None:
             self.cache.unlock(prompt.node)
@@ -121,8 +126,7 @@ class PrefixPages:
         if self.cache is None:
             return
         self.cache.check()
-        free = set(self.allocator._free)
-        both = free.intersection(self.cache.pages())
+        both = [p for p in self.cache.pages() if not self.allocator.in_use(p)]
         if both:
             raise AssertionError(f"pages both cached and free: {sorted(both)[:8]}")
 

@@ -57,12 +57,19 @@ class RadixCache:
             position += len(child.tokens)
             node = child
 
-    def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> tuple[RadixNode, set[int]]:
-        """Caches ``pages`` as the KV of ``token_ids`` (its whole pages; the rest is ignored).
+    def insert(self, token_ids: Sequence[int], pages: Sequence[int],
+               num_tokens: int | None = None,
+               after: RadixNode | None = None) -> tuple[RadixNode, set[int]]:
+        """Caches ``pages`` as the KV of the first ``num_tokens`` (default: all) of
+        ``token_ids``, its whole pages; the rest is ignored. ``after``: a node already on that
+        path (one the caller holds locked), to walk on from instead of from the root.
         Returns the node of the full path and the pages the tree adopted: where the tree
         already had a segment, the caller's duplicate page stays the caller's."""
-        num_pages = min(len(token_ids) // self.page_size, len(pages))
+        length = len(token_ids) if num_tokens is None else num_tokens
+        num_pages = min(length // self.page_size, len(pages))
         node, position, adopted = self.root, 0, set()
+        if after is not None:
+            node, position = after, self._depth(after)
         now = next(self._clock)
         while position < num_pages * self.page_size:
             key = self._page_key(token_ids, position)
@@ -149,6 +156,14 @@ class RadixCache:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
+
+    def _depth(self, node: RadixNode) -> int:
+        """Tokens from the root to the end of ``node``'s edge."""
+        depth = 0
+        while node is not self.root:
+            depth += len(node.tokens)
+            node = node.parent   # type: ignore[assignment]
+        return depth
 
     def _page_key(self, token_ids: Sequence[int], position: int) -> tuple[int, ...]:
         return tuple(token_ids[position:position + self.page_size])
