@@ -66,7 +66,8 @@ def start_up(flags: list[str]) -> tuple[subprocess.Popen, str, dict[str, str]]:
     of a role) and by worker name (``prefill0``, ``prefill1``, ...)."""
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--port", str(port),
-                                "--log-level", "WARNING", *flags], stdout=subprocess.PIPE, text=True)
+                                "--log-level", "WARNING", "--http-port", "0", *flags],
+                               stdout=subprocess.PIPE, text=True)
     metrics: dict[str, str] = {}
     counts: collections.Counter[str] = collections.Counter()
     for line in process.stdout:
@@ -76,6 +77,9 @@ def start_up(flags: list[str]) -> tuple[subprocess.Popen, str, dict[str, str]]:
             metrics.setdefault(role, address)
             metrics[f"{role}{counts[role]}"] = address
             counts[role] += 1
+        http = re.search(r"\shttp=(\S+)", line)
+        if http:
+            metrics["http"] = http[1]
         if "ready" in line:
             return process, f"127.0.0.1:{port}", metrics
     raise SystemExit(f"pdserve up exited with {process.wait()}")

@@ -18,6 +18,7 @@ from pdserve.config import (
     RouterConfig,
     ServerConfig,
 )
+from pdserve.errors import ConfigError
 from pdserve.launcher import ROUTER_SET_BY_LAUNCHER
 from pdserve.settings import add_flags, flag_kinds, from_args
 
@@ -96,6 +97,31 @@ def role_config(command: str, args: argparse.Namespace) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except ConfigError as err:   # a configuration mistake: one line, no traceback
+        print(f"pdserve: error: {err}", file=sys.stderr, flush=True)
+        return 2
+
+
+def _preflight(command: str, config: Any) -> None:
+    from pdserve.preflight import (
+        check_engine,
+        check_kv_transfer,
+        check_port,
+        check_server,
+    )
+
+    check_server(config.server)
+    if command == "router":
+        check_port(config.server.host, config.http_port, "--http-port")
+        return
+    check_engine(config.engine)
+    if command == "decode":
+        check_kv_transfer(config)
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "generate":
         from pdserve.client import generate_to_terminal
 
@@ -109,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_cluster(ClusterPlan.from_args(args))
     config = role_config(args.command, args)
+    _preflight(args.command, config)
     if args.command == "router":
         from router.server import serve as serve_router
 

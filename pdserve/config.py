@@ -19,18 +19,37 @@ def setting(default: Any, help: str, **argparse_options: Any) -> Any:
 
 
 @dataclass
-class EngineConfig:
+class ModelSource:
+    """Which model a process serves and under what name (workers and the router alike)."""
+
+    model: str = setting("tiny", "Hugging Face model folder, Hugging Face repo id (org/name, "
+                         "fetched into the standard cache through huggingface_hub; HF_TOKEN "
+                         "and HF_HUB_OFFLINE apply) or preset name (tiny, small, qwen3-0.6b, "
+                         "qwen3-8b, llama3-8b: random weights)")
+    revision: str = setting("", "branch, tag or commit of a repo id (default: main)")
+    served_model_name: str = setting("", "the model's name in the API and in metrics' "
+                                     "model_name label (default: --model)")
+    max_model_len: int = setting(0, "longest context, prompt + output tokens (0: the model's "
+                                 "own; may only lower it)")
+
+
+@dataclass
+class EngineConfig(ModelSource):
     """What a worker needs to hold a model and a KV pool."""
 
-    model: str = setting("tiny", "Hugging Face model folder or preset name (tiny, qwen3-0.6b, "
-                         "qwen3-8b, llama3-8b)")
     dtype: str = setting("auto", "weights and KV dtype (auto: the checkpoint's)",
                          choices=("auto", "float32", "bfloat16", "float16"))
     device: str = setting("auto", "auto (cuda if available, else cpu), cpu, cuda, cuda:N")
     seed: int = setting(0, "seed of a preset's random weights")
     page_size: int = setting(16, "tokens per KV page (prefill and decode must agree)")
     num_pages: int = setting(0, "KV pages in the pool (0: as many as --kv-cache-gb holds)")
-    kv_cache_gb: float = setting(1.0, "KV pool size in GiB when --num-pages is 0")
+    kv_cache_gb: str = setting("auto", "KV pool size in GiB when --num-pages is 0; auto: on "
+                               "CUDA what --gpu-memory-utilization leaves after weights, "
+                               "activations and graphs, on the CPU 1 GiB")
+    gpu_memory_utilization: float = setting(0.9, "with --kv-cache-gb auto on CUDA, the share of "
+                                            "the GPU's memory this worker may use in all; `up` "
+                                            "splits it between workers sharing a GPU (decode "
+                                            "0.7, prefill 0.3)")
     attention_backend: str = setting("auto", "auto, or a registered backend (torch, fa, fi)")
     torch_threads: int = setting(0, "CPU threads for torch (0: torch's default)")
     disable_cuda_graph: bool = setting(False, "decode eagerly instead of replaying CUDA graphs")
@@ -64,8 +83,8 @@ class ServerConfig:
     health_port: int = setting(-1, "also serve grpc.health.v1 alone, in plaintext, on this "
                                "port (for probes that cannot speak TLS; -1: no)")
     shutdown_grace_s: float = setting(5.0, "on SIGTERM, how long in-flight calls may take")
-    log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR",
-                             choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR (any case)",
+                             choices=("DEBUG", "INFO", "WARNING", "ERROR"), type=str.upper)
 
 
 @dataclass
@@ -109,10 +128,18 @@ class DecodeConfig:
 
 
 @dataclass
-class RouterConfig:
+class RouterConfig(ModelSource):
+    """The router loads the model's config and tokenizer, no weights."""
+
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=50051))
-    model: str = setting("tiny", "model folder or preset (its tokenizer and config; the router "
-                         "loads no weights)")
+    http_port: int = setting(-1, "serve the OpenAI-compatible HTTP API (/v1/completions, "
+                             "/v1/chat/completions, /v1/models) on this port (0: any free port, "
+                             "-1: none; `pdserve up` serves it on 8000)")
+    chat_template: str = setting("", "Jinja chat template file for /v1/chat/completions "
+                                 "(default: the model folder's tokenizer_config.json "
+                                 "chat_template or chat_template.jinja)")
+    log_requests: bool = setting(False, "log one line per finished request (id, tokens, finish "
+                                 "reason, time to first token, duration)")
     prefill_addrs: list[str] = setting([], "static prefill workers: host:port,...",
                                        metavar="ADDRS")
     decode_addrs: list[str] = setting([], "static decode workers: host:port,...",
@@ -145,14 +172,16 @@ class LauncherConfig:
 
     host: str = setting("127.0.0.1", "address every process listens on")
     port: int = setting(50051, "the router's public gRPC port")
+    http_port: int = setting(8000, "the router's OpenAI-compatible HTTP port (0: any free "
+                             "port, -1: none)")
     prefill: int = setting(1, "prefill workers")
     decode: int = setting(1, "decode workers")
     no_metrics: bool = setting(False, "start no metrics exporters")
     ready_timeout_s: float = setting(600.0, "how long the cluster may take to become ready")
     max_restarts: int = setting(5, "times one process that dies is started again within 10 "
                                 "minutes before `up` stops everything (0: stop at the first death)")
-    log_level: str = setting("INFO", "log level of every process",
-                             choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    log_level: str = setting("INFO", "log level of every process (any case)",
+                             choices=("DEBUG", "INFO", "WARNING", "ERROR"), type=str.upper)
     tls: bool = setting(False, "mutual TLS between every process (a CA and a certificate made "
                         "for this cluster); the router's public port serves TLS too")
     internal_token_file: str = setting("", "the secret internal calls carry (default: a new "

@@ -68,3 +68,7 @@ class UpstreamError(PdserveError):
         super().__init__(message)
         self.worker_code = code
         self.code = code if code in PUBLIC_CODES else grpc.StatusCode.UNAVAILABLE
+
+
+class ConfigError(Exception):
+    """A configuration mistake: reported as one line and a nonzero exit, never a traceback."""

@@ -25,14 +25,25 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.cluster_secrets import ClusterSecrets, make_secrets
-from pdserve.config import DecodeConfig, EngineConfig, LauncherConfig, PrefillConfig, RouterConfig
+from pdserve.config import (
+    DecodeConfig,
+    EngineConfig,
+    LauncherConfig,
+    ModelSource,
+    PrefillConfig,
+    RouterConfig,
+)
+from pdserve.errors import ConfigError
 from pdserve.settings import from_args, to_argv
 
 STOP_GRACE_S = 10.0
 RESTART_WINDOW_S = 600.0
 # Router settings `up` sets itself.
-ROUTER_SET_BY_LAUNCHER = ("model", "prefill_addrs", "decode_addrs", "prefill_discovery",
+ROUTER_SET_BY_LAUNCHER = ("model", "revision", "served_model_name", "max_model_len", "http_port",
+                          "prefill_addrs", "decode_addrs", "prefill_discovery",
                           "decode_discovery")
+# How `up` splits --gpu-memory-utilization between the workers that share a GPU.
+MEMORY_SHARE = {"prefill": 0.3, "decode": 0.7}
 
 
 @dataclass
@@ -53,18 +64,75 @@ class ClusterPlan:
                    from_args(DecodeConfig, args, engine=engine),
                    from_args(RouterConfig, args))
 
+    def device_of(self, role: str, index: int) -> str:
+        devices = getattr(self.launcher, f"{role}_devices")
+        return devices[index % len(devices)] if devices else self.engine.device
+
+    def _workers(self) -> list[tuple[str, int]]:
+        return [(role, i) for role in ("prefill", "decode")
+                for i in range(getattr(self.launcher, role))]
+
+    def preflight(self) -> None:
+        """Checks the whole configuration before any child starts (ConfigError, one line);
+        a repo id is fetched here once, and the children load the local snapshot."""
+        from pdserve.chat_template import load_chat_template
+        from pdserve.models.source import local_model, source_config
+        from pdserve.preflight import (
+            check_device,
+            check_engine,
+            check_kv_transfer,
+            check_port,
+        )
+
+        launcher = self.launcher
+        check_engine(self.engine)
+        for role, index in self._workers():
+            check_device(self.device_of(role, index))
+        check_kv_transfer(self.decode)
+        local = local_model(self.engine)
+        source_config(self.engine, local)
+        load_chat_template(self.router.chat_template, local)
+        if local != self.engine.model:   # a repo id: served under its name, loaded from disk
+            self.engine = dataclasses.replace(
+                self.engine, model=local, revision="",
+                served_model_name=self.engine.served_model_name or self.engine.model)
+            self.prefill.engine = self.decode.engine = self.engine
+        if launcher.internal_token_file and not Path(launcher.internal_token_file).is_file():
+            raise ConfigError(f"--internal-token-file {launcher.internal_token_file}: no such "
+                              "file")
+        check_port(launcher.host, launcher.port, "--port")
+        if launcher.http_port == launcher.port:
+            raise ConfigError(f"--http-port {launcher.http_port} is the gRPC --port")
+        check_port(launcher.host, launcher.http_port, "--http-port")
+
     def worker_argv(self, role: str, index: int) -> list[str]:
         config = self.prefill if role == "prefill" else self.decode
-        devices = getattr(self.launcher, f"{role}_devices")
-        engine = self.engine
-        if devices:
-            engine = dataclasses.replace(engine, device=devices[index % len(devices)])
+        device = self.device_of(role, index)
+        sharing = [r for r, i in self._workers() if _same_gpu(self.device_of(r, i), device)]
+        utilization = self.engine.gpu_memory_utilization
+        if len(sharing) > 1:   # the GPU's share, split by role: decode holds most of the KV
+            weights = sum(MEMORY_SHARE[r] for r in sharing)
+            utilization = round(utilization * MEMORY_SHARE[role] / weights, 4)
+        engine = dataclasses.replace(self.engine, device=device,
+                                     gpu_memory_utilization=utilization)
         return to_argv(engine) + to_argv(config)
 
-    def router_argv(self, prefill_addrs: list[str], decode_addrs: list[str]) -> list[str]:
-        return to_argv(self.router, skip=ROUTER_SET_BY_LAUNCHER) + [
+    def router_argv(self, prefill_addrs: list[str], decode_addrs: list[str],
+                    http_port: int) -> list[str]:
+        source = ModelSource(**{f.name: getattr(self.engine, f.name)
+                                for f in dataclasses.fields(ModelSource)})
+        return to_argv(self.router, skip=ROUTER_SET_BY_LAUNCHER) + to_argv(source) + [
             "--model", self.engine.model, "--prefill-addrs", ",".join(prefill_addrs),
-            "--decode-addrs", ",".join(decode_addrs)]
+            "--decode-addrs", ",".join(decode_addrs), "--http-port", str(http_port)]
+
+
+def _same_gpu(a: str, b: str) -> bool:
+    """Whether devices ``a`` and ``b`` (as flags give them) are one GPU: auto and cuda mean
+    cuda:0 where there is CUDA; cpu is no GPU."""
+    def canonical(device: str) -> str:
+        return "cuda:0" if device in ("auto", "cuda") else device
+
+    return canonical(a) == canonical(b) and canonical(a).startswith("cuda")
 
 
 @dataclass
@@ -223,6 +291,11 @@ def run_cluster(plan: ClusterPlan) -> int:
     children: list[Child] = []
     code = 0
     try:
+        plan.preflight()
+    except ConfigError as err:
+        print(f"pdserve: error: {err}", file=sys.stderr, flush=True)
+        return 2
+    try:
         secrets = make_secrets(launcher.internal_token_file, launcher.tls, host)
     except (OSError, RuntimeError, subprocess.CalledProcessError) as err:
         print(f"pdserve: cannot make the cluster's secrets: {err}", file=sys.stderr, flush=True)
@@ -237,19 +310,23 @@ def run_cluster(plan: ClusterPlan) -> int:
         children.extend(workers)
         for child in workers:
             _until_ready(child, deadline, stopping, secrets, launcher.max_restarts)
+        http_port = ports() if launcher.http_port == 0 else launcher.http_port
         extra = plan.router_argv([c.address for c in workers if c.role == "prefill"],
-                                 [c.address for c in workers if c.role == "decode"])
+                                 [c.address for c in workers if c.role == "decode"], http_port)
         router = _start("router", host, launcher.port, metrics, extra, launcher.log_level,
                         secrets)
         children.append(router)
         _until_ready(router, deadline, stopping, secrets, launcher.max_restarts)
         for child in children:
+            http = f"  http=http://{host}:{http_port}/v1" if child is router and http_port >= 0 \
+                else ""
             print(f"{child.role:<8} grpc={child.address}  metrics={child.metrics_url}  "
-                  f"pid={child.process.pid}", flush=True)
+                  f"pid={child.process.pid}{http}", flush=True)
         if secrets.ca_file:
             print(f"pdserve: mutual TLS between every process; clients trust {secrets.ca_file}",
                   flush=True)
-        print(f"pdserve ready: router on {router.address} (model {plan.engine.model}, "
+        print(f"pdserve ready: router on {router.address} (model "
+              f"{plan.engine.served_model_name or plan.engine.model}, "
               f"{launcher.prefill} prefill, {launcher.decode} decode)", flush=True)
         code = _supervise(children, launcher, stopping, secrets)
     except KeyboardInterrupt:

@@ -69,7 +69,8 @@ def add_flags(parser: argparse.ArgumentParser | Any, cls: type, skip: Iterable[s
             parser.add_argument(flag_name(f.name), dest=f.name, type=comma_list, default=default,
                                 help=help_text, **options)
         else:
-            parser.add_argument(flag_name(f.name), dest=f.name, type=kind, default=default,
+            options.setdefault("type", kind)
+            parser.add_argument(flag_name(f.name), dest=f.name, default=default,
                                 help=help_text, **options)
 
 

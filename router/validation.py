@@ -1,9 +1,10 @@
-"""Turns a GenerateRequest into a checked GenerationJob, or says clearly what is wrong with it."""
+"""Turns a request (gRPC's GenerateRequest or an OpenAI HTTP body, each first made a plain
+GenerateInput by its front) into a checked GenerationJob, or says clearly what is wrong."""
 from __future__ import annotations
 
 import os
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from pdserve.errors import InvalidRequest
 from pdserve.models.config import ModelConfig
@@ -13,6 +14,42 @@ from protos.pdserve.v1 import generate_pb2
 
 MAX_STOP_STRING_CHARS = 256
 MAX_REQUEST_ID_CHARS = 256
+
+
+@dataclass
+class GenerateInput:
+    """A request as a front received it, before any check: the fields of the public API
+    (unset sampling fields as the API's zero values: 0 means the default or off)."""
+
+    request_id: str = ""
+    text: str | None = None
+    token_ids: list[int] | None = None
+    max_new_tokens: int = 0
+    temperature: float = 0.0
+    top_p: float = 0.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    stream: bool = True
+    special_tokens: bool = True   # text: add the tokenizer's special tokens (a BOS) if absent
+    fill_context: bool = False    # max_new_tokens 0: up to max_model_len (else the default)
+
+    @classmethod
+    def from_proto(cls, request: generate_pb2.GenerateRequest) -> GenerateInput:
+        s = request.sampling
+        kind = request.WhichOneof("input")
+        return cls(request_id=request.request_id,
+                   text=request.text if kind == "text" else None,
+                   token_ids=list(request.token_ids.ids) if kind == "token_ids" else None,
+                   max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                   top_k=s.top_k, min_p=s.min_p, repetition_penalty=s.repetition_penalty,
+                   seed=s.seed if s.HasField("seed") else None, stop=list(s.stop),
+                   stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
+                   stream=request.stream)
 
 
 @dataclass(frozen=True)
@@ -33,38 +70,36 @@ class GenerationJob:
                        output_offset=self.output_offset + len(generated))
 
 
-def _prompt(request: generate_pb2.GenerateRequest, model: ModelConfig,
-            tokenizer: Tokenizer) -> list[int]:
-    kind = request.WhichOneof("input")
-    if kind is None:
+def _prompt(request: GenerateInput, model: ModelConfig, tokenizer: Tokenizer) -> list[int]:
+    if request.text is None and request.token_ids is None:
         raise InvalidRequest("no input: set text or token_ids")
-    if kind == "text":
+    if request.text is not None:
         if not request.text:
             raise InvalidRequest("text is empty")
-        ids = tokenizer.encode(request.text)
+        ids = tokenizer.encode(request.text, add_special_tokens=request.special_tokens)
         if not ids:
             raise InvalidRequest("text encodes to no tokens")
         return ids
-    ids = list(request.token_ids.ids)
+    ids = list(request.token_ids or [])
     if not ids:
         raise InvalidRequest("token_ids is empty")
     check_token_ids(ids, model.vocab_size)
     return ids
 
 
-def validate(request: generate_pb2.GenerateRequest, model: ModelConfig, tokenizer: Tokenizer,
+def validate(request: GenerateInput, model: ModelConfig, tokenizer: Tokenizer,
              default_max_new_tokens: int, max_stop_strings: int) -> GenerationJob:
     """Checks every field; raises InvalidRequest naming the first field that is wrong."""
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequest(f"request_id longer than {MAX_REQUEST_ID_CHARS} characters")
     prompt = _prompt(request, model, tokenizer)
-    s = request.sampling
+    s = request
     room = model.max_model_len - len(prompt)
     if room < 1:
         raise InvalidRequest(f"prompt of {len(prompt)} tokens leaves no room to generate "
                              f"(max_model_len {model.max_model_len})")
     if s.max_new_tokens == 0:
-        max_new = min(default_max_new_tokens, room)
+        max_new = room if s.fill_context else min(default_max_new_tokens, room)
     elif s.max_new_tokens > room:
         raise InvalidRequest(f"prompt ({len(prompt)} tokens) + max_new_tokens ({s.max_new_tokens}) "
                              f"exceeds max_model_len {model.max_model_len}")
@@ -79,7 +114,9 @@ def validate(request: generate_pb2.GenerateRequest, model: ModelConfig, tokenize
     stop_ids = set(s.stop_token_ids)
     if not s.ignore_eos:
         stop_ids.update(model.eos_token_ids)
-    seed = s.seed if s.HasField("seed") else int.from_bytes(os.urandom(8), "little")
+    seed = s.seed if s.seed is not None else int.from_bytes(os.urandom(8), "little")
+    if not 0 <= seed < 1 << 64:
+        raise InvalidRequest(f"seed must be in [0, 2^64), got {seed}")
     if s.top_p < 0 or s.repetition_penalty < 0:  # before 0 turns into "off"
         raise InvalidRequest("top_p must be in [0, 1] and repetition_penalty > 0 (0 = off); got "
                              f"{s.top_p} and {s.repetition_penalty}")

@@ -35,6 +35,7 @@ ENGINE_FLAGS = ["--model", "tiny", "--page-size", "4", "--num-pages", "1024", "-
 PREFILL_FLAGS = ["--chunk-size", "48"]
 DECODE_FLAGS = ["--lease-timeout-s", "3", "--reserve-wait-s", "1"]
 CLUSTER_FLAGS = [*ENGINE_FLAGS, *PREFILL_FLAGS, *DECODE_FLAGS, "--health-interval-s", "0.5",
+                 "--http-port", "0",
                  "--internal-token-file", TOKEN_FILE]
 
 
@@ -54,6 +55,7 @@ class Cluster:
     pids: dict[str, int] = field(default_factory=dict)
     metrics_urls: dict[str, str] = field(default_factory=dict)    # "router0" -> http://.../metrics
     preamble: str = ""                                            # what `up` printed until ready
+    http_url: str = ""                                            # the OpenAI API: http://h:p/v1
 
     def channel(self) -> grpc.Channel:
         return grpc.insecure_channel(self.address)
@@ -131,6 +133,9 @@ def start_cluster(extra: list[str] | None = None, timeout_s: float = 120.0) -> C
             name = f"{match[1]}{len(cluster.workers[match[1]]) - 1}"
             cluster.pids[name] = int(match[4])
             cluster.metrics_urls[name] = match[3]
+        http = re.search(r"\shttp=(\S+)", line)
+        if http:
+            cluster.http_url = http[1]
         if "ready" in line:
             return cluster
         if time.monotonic() > deadline:

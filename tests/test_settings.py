@@ -42,7 +42,7 @@ def test_up_forwards_each_child_exactly_the_settings_it_was_given():
     plan = ClusterPlan.from_args(args)
     prefill = build_parser().parse_args(["prefill", *plan.worker_argv("prefill", 0)])
     decode = build_parser().parse_args(["decode", *plan.worker_argv("decode", 0)])
-    router = build_parser().parse_args(["router", *plan.router_argv(["a:1"], ["b:2"])])
+    router = build_parser().parse_args(["router", *plan.router_argv(["a:1"], ["b:2"], 8001)])
     expected_engine = EngineConfig(model="tiny", page_size=4, disable_cuda_graph=True)
     assert role_config("prefill", prefill).engine == expected_engine
     assert not role_config("prefill", prefill).layerwise_transfer
@@ -51,6 +51,28 @@ def test_up_forwards_each_child_exactly_the_settings_it_was_given():
     assert role_config("decode", decode).kv_transfer == "grpc"
     routed = role_config("router", router)
     assert (routed.health_interval_s, routed.prefill_addrs, routed.decode_addrs) == (0.5, ["a:1"], ["b:2"])
+    assert (routed.http_port, routed.model) == (8001, "tiny")
+
+
+def test_up_splits_gpu_memory_between_workers_sharing_a_gpu():
+    args = build_parser().parse_args(["up", "--prefill-devices", "cuda:0",
+                                      "--decode-devices", "cuda:0,cuda:1", "--decode", "2",
+                                      "--gpu-memory-utilization", "0.8",
+                                      "--served-model-name", "m", "--max-model-len", "1024"])
+    plan = ClusterPlan.from_args(args)
+
+    def engine_of(role, index):
+        parsed = build_parser().parse_args([role, *plan.worker_argv(role, index)])
+        return role_config(role, parsed).engine
+
+    # cuda:0 holds a prefill and a decode worker: 0.3 and 0.7 of its 0.8; cuda:1 one worker.
+    assert engine_of("prefill", 0).gpu_memory_utilization == pytest.approx(0.24)
+    assert engine_of("decode", 0).gpu_memory_utilization == pytest.approx(0.56)
+    assert engine_of("decode", 1).gpu_memory_utilization == pytest.approx(0.8)
+    assert engine_of("decode", 1).served_model_name == "m"
+    router = role_config("router", build_parser().parse_args(
+        ["router", *plan.router_argv(["a:1"], ["b:2"], 8001)]))
+    assert (router.served_model_name, router.max_model_len) == ("m", 1024)
 
 
 @pytest.mark.parametrize("config", [EngineConfig(torch_threads=2, fused_rope_kv=False),

@@ -14,10 +14,38 @@ from pdserve.config import EngineConfig
 from pdserve.engine.batch import ForwardBatch, SeqInput
 from pdserve.engine.cuda_graph import CudaGraphRunner
 from pdserve.engine.sampling import SampleRow, sample
+from pdserve.errors import ConfigError
 from pdserve.kvcache.pool import KVLayout, KVPool
+from pdserve.models.config import ModelConfig
 from pdserve.models.loader import load_model
+from pdserve.models.source import local_model
+from pdserve.preflight import kv_cache_gib
 
 log = logging.getLogger(__name__)
+
+
+CPU_AUTO_KV_GIB = 1.0
+# Held back from the KV pool for a CUDA context, allocator slack and CUDA graphs.
+CUDA_OVERHEAD_BYTES = 1536 << 20
+ACTIVATION_TOKENS = 16384     # the largest prefill step the reserve is sized for
+
+
+def auto_kv_bytes(device: torch.device, utilization: float, cfg: ModelConfig) -> int:
+    """Bytes for the KV pool under ``--kv-cache-gb auto``: ``utilization`` of the GPU's memory,
+    less what this process holds already (weights), the activations of a large step (a
+    prefill step of ACTIVATION_TOKENS tokens; decode logits of 256 rows) and CUDA_OVERHEAD_BYTES.
+    Other processes on the GPU are given their own share by `pdserve up`."""
+    _free, total = torch.cuda.mem_get_info(device)
+    held = torch.cuda.memory_reserved(device)
+    activations = (ACTIVATION_TOKENS * (2 * cfg.intermediate_size + 6 * cfg.hidden_size) * 2
+                   + 3 * 256 * cfg.vocab_size * 4)
+    budget = int(utilization * total) - held - activations - CUDA_OVERHEAD_BYTES
+    if budget <= 0:
+        raise ConfigError(f"--gpu-memory-utilization {utilization:g} of {total / 2**30:.1f} GiB "
+                          f"leaves no room for KV after {held / 2**30:.1f} GiB of weights and "
+                          f"{(activations + CUDA_OVERHEAD_BYTES) / 2**30:.1f} GiB of activations"
+                          "; raise it or set --kv-cache-gb")
+    return budget
 
 
 def resolve_device(name: str) -> torch.device:
@@ -47,15 +75,16 @@ class ModelRunner:
             # Kernels, graph captures and allocations that name no device go to the current
             # one: it must be ours (decode on cuda:1 failed to capture without this).
             torch.cuda.set_device(self.device)
-        self.model = load_model(config.model, config.dtype, self.device, config.seed,
-                                fused_rope_kv=config.fused_rope_kv, triton_gemv=config.triton_gemv)
+        self.model = load_model(local_model(config), config.dtype, self.device, config.seed,
+                                fused_rope_kv=config.fused_rope_kv, triton_gemv=config.triton_gemv,
+                                max_model_len=config.max_model_len)
         self.model_config = self.model.config
         dtype = next(self.model.parameters()).dtype
         self.layout = KVLayout(
             model=self.model_config.name, dtype=str(dtype).removeprefix("torch."),
             page_size=config.page_size, num_layers=self.model_config.num_layers,
             num_kv_heads=self.model_config.num_kv_heads, head_dim=self.model_config.head_dim)
-        num_pages = config.num_pages or self._pages_for_budget(config.kv_cache_gb, dtype)
+        num_pages = config.num_pages or self._pages_for_budget(config, dtype)
         self.pool = KVPool(self.layout, num_pages, dtype, self.device)
         self.backend_name, reason = resolve_backend(config.attention_backend, role, self.device,
                                                     dtype, self.model_config.head_dim)
@@ -78,11 +107,24 @@ class ModelRunner:
                      self.backend_name)
         return supported
 
-    def _pages_for_budget(self, kv_cache_gb: float, dtype: torch.dtype) -> int:
+    def _pages_for_budget(self, config: EngineConfig, dtype: torch.dtype) -> int:
         cfg = self.model_config
         bytes_per_page = (cfg.num_layers * 2 * self.layout.page_size * cfg.num_kv_heads
                           * cfg.head_dim * torch.empty((), dtype=dtype).element_size())
-        return max(2, int(kv_cache_gb * (1 << 30)) // bytes_per_page)
+        gib = kv_cache_gib(config.kv_cache_gb)
+        if gib is None:
+            if self.device.type != "cuda":
+                gib = CPU_AUTO_KV_GIB
+            else:
+                budget = auto_kv_bytes(self.device, config.gpu_memory_utilization, cfg)
+                gib = budget / (1 << 30)
+        pages = max(2, int(gib * (1 << 30)) // bytes_per_page)
+        log.info("KV pool: %d pages of %d tokens = %d tokens (%.2f GiB%s)", pages,
+                 self.layout.page_size, pages * self.layout.page_size,
+                 pages * bytes_per_page / (1 << 30),
+                 f", auto at --gpu-memory-utilization {config.gpu_memory_utilization:g}"
+                 if config.kv_cache_gb == "auto" and self.device.type == "cuda" else "")
+        return pages
 
     def graph_mode(self, seqs: list[SeqInput], on_layer: Callable[[int], None] | None,
                    eager: bool) -> bool:

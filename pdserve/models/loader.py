@@ -26,10 +26,13 @@ def resolve_dtype(requested: str, config: ModelConfig) -> torch.dtype:
 
 def load_model(model: str, dtype: str, device: torch.device, seed: int = 0,
                kernels: bool = True, fused_rope_kv: bool = True,
-               triton_gemv: bool = True) -> CausalLM:
+               triton_gemv: bool = True, max_model_len: int = 0) -> CausalLM:
     """The model in ``dtype`` ("auto": the checkpoint's) on ``device``, ready for inference;
-    with ``kernels``, its elementwise ops run as CUDA kernels where the device allows."""
-    config = model_config(model)
+    with ``kernels``, its elementwise ops run as CUDA kernels where the device allows;
+    ``max_model_len`` (0: the model's own) caps its context."""
+    from pdserve.models.source import with_max_len
+
+    config = with_max_len(model_config(model), max_model_len)
     torch_dtype = resolve_dtype(dtype, config)
     with torch.device("meta"):
         net = CausalLM(config)

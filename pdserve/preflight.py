@@ -1,0 +1,103 @@
+"""Configuration checks made before anything heavy starts (before `pdserve up` starts a child,
+before a worker loads weights): each mistake is a ConfigError of one line."""
+from __future__ import annotations
+
+import importlib.util
+import socket
+from pathlib import Path
+
+from pdserve.config import DecodeConfig, EngineConfig, ServerConfig
+from pdserve.errors import ConfigError
+
+
+def check_device(device: str) -> None:
+    if device in ("auto", "cpu"):
+        return
+    if not device.startswith("cuda") or not (device == "cuda" or device[5:].isdigit()
+                                             and device[4] == ":"):
+        raise ConfigError(f"--device {device!r}: use auto, cpu, cuda or cuda:N")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: CUDA is not available here (use --device cpu)")
+    index = int(device[5:]) if ":" in device else 0
+    if index >= torch.cuda.device_count():
+        raise ConfigError(f"--device {device}: this host has {torch.cuda.device_count()} "
+                          "CUDA device(s)")
+
+
+def check_engine(config: EngineConfig) -> None:
+    """The device, and an attention backend that exists and is installed."""
+    check_device(config.device)
+    from pdserve.attention import BACKENDS, KERNEL_LIMITS
+
+    backend = config.attention_backend
+    if backend != "auto" and backend not in BACKENDS:
+        raise ConfigError(f"--attention-backend {backend!r}: choose auto or one of "
+                          f"{', '.join(BACKENDS)}")
+    if backend in KERNEL_LIMITS:
+        module = KERNEL_LIMITS[backend][2].split(".")[0]
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(f"--attention-backend {backend}: {module} is not installed "
+                              "(pip install 'pdserve[gpu]')")
+        if config.device == "cpu":
+            raise ConfigError(f"--attention-backend {backend} needs a CUDA device")
+    if config.num_pages < 0:
+        raise ConfigError(f"--num-pages {config.num_pages}: must be 0 (sized by --kv-cache-gb) "
+                          "or more")
+    kv_cache_gib(config.kv_cache_gb)
+    if not 0 < config.gpu_memory_utilization <= 1:
+        raise ConfigError(f"--gpu-memory-utilization {config.gpu_memory_utilization}: must be "
+                          "in (0, 1]")
+
+
+def kv_cache_gib(value: str) -> float | None:
+    """--kv-cache-gb as GiB, None for auto."""
+    if value == "auto":
+        return None
+    try:
+        gib = float(value)
+    except ValueError:
+        gib = -1.0
+    if not gib > 0:
+        raise ConfigError(f"--kv-cache-gb {value!r}: a positive number of GiB, or auto")
+    return gib
+
+
+def check_kv_transfer(config: DecodeConfig) -> None:
+    from kv_transfer import ENGINE_CHOICES, nixl_installed
+
+    engine = config.kv_transfer
+    if engine not in ENGINE_CHOICES:
+        raise ConfigError(f"--kv-transfer {engine!r}: choose one of {', '.join(ENGINE_CHOICES)}")
+    if engine == "nixl" and not nixl_installed():
+        raise ConfigError("--kv-transfer nixl: NIXL is not installed (pip install "
+                          "'pdserve[nixl]'), or use auto or grpc")
+    if engine == "cuda_ipc" and config.engine.device == "cpu":
+        raise ConfigError("--kv-transfer cuda_ipc needs the KV pool on a CUDA device")
+
+
+def check_port(host: str, port: int, flag: str) -> None:
+    """``port`` can be listened on (0 and negative ports need no check)."""
+    if port <= 0:
+        return
+    if port > 65535:
+        raise ConfigError(f"{flag} {port}: not a port")
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        # As servers bind: a port in TIME_WAIT (a restarted worker's) is free, one that
+        # something listens on is not.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as err:
+            raise ConfigError(f"{flag} {port}: cannot listen on {host}:{port}: "
+                              f"{err.strerror or err}") from err
+
+
+def check_server(config: ServerConfig) -> None:
+    for name in ("tls_cert_file", "tls_key_file", "tls_ca_file", "internal_token_file"):
+        value = getattr(config, name)
+        if value and not Path(value).is_file():
+            raise ConfigError(f"--{name.replace('_', '-')} {value}: no such file")
+    check_port(config.host, config.port, "--port")
+    check_port(config.host, config.metrics_port, "--metrics-port")

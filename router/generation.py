@@ -1,0 +1,210 @@
+"""The router's generation pipeline, shared by its public fronts (gRPC and OpenAI HTTP).
+
+A front validates a request into a GenerationJob and iterates ``Generation.run(job, remaining)``
+for its output chunks; ``remaining()`` gives the seconds left of the caller's deadline (None:
+none). The pipeline picks a worker pair, reserves on decode, prefills, relays decode's stream,
+retries other pairs on failures before the first token that another pair may not have, and
+resumes on another pair when a decode worker is lost mid-stream.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from pdserve.config import RouterConfig
+from pdserve.errors import NoHealthyWorker, PdserveError, UpstreamError
+from pdserve.metrics import RouterMetrics
+from pdserve.tokenizer import Tokenizer
+from router.decode_stream import StreamError
+from router.output import Chunk, OutputAssembler
+from router.pair import PairAttempt, upstream
+from router.validation import GenerationJob
+from router.workers import Worker, WorkerPool
+
+log = logging.getLogger(__name__)
+
+Remaining = Callable[[], "float | None"]
+
+# A worker that died mid-call: it cannot be reached (UNAVAILABLE), or its stream was removed
+# (UNKNOWN or INTERNAL, by where the connection broke). Such a worker is marked unhealthy at
+# once, so retries go elsewhere; the next health probe marks it healthy again if it is.
+WORKER_GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
+# Failures before the first token that another worker pair may not have.
+RETRYABLE = WORKER_GONE | {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED}
+# A decode stream that ends with these goes on on another pair (NOT_FOUND: the worker lost the
+# reservation, say after restarting).
+DECODE_LOST = WORKER_GONE | {grpc.StatusCode.NOT_FOUND}
+
+MAX_ATTEMPTS = 4
+WORKER_RETURN_WAIT_S = 5.0    # how long a request whose workers died waits for a healthy one
+WORKER_RETURN_POLL_S = 0.25
+MAX_RECOVERIES = 2   # times a request may move to another pair after losing its decode worker
+
+
+class DecodeLost(Exception):
+    """The decode worker went away mid-stream; the request can resume elsewhere."""
+
+
+class RetryElsewhere(Exception):
+    """A failure before the first token that another worker pair may not have."""
+
+    def __init__(self, error: UpstreamError, decode_address: str) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.decode_address = decode_address    # '' when the decode worker was not at fault
+
+
+class Generation:
+    """Runs checked jobs on the workers; one per router, shared by every front."""
+
+    def __init__(self, config: RouterConfig, tokenizer: Tokenizer, workers: WorkerPool,
+                 metrics: RouterMetrics) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.workers = workers
+        self.metrics = metrics
+        self._cleanup: set[asyncio.Task] = set()
+
+    async def run(self, job: GenerationJob, remaining: Remaining,
+                  started: float | None = None) -> AsyncIterator[Chunk]:
+        """Chunks of the job's output; if its decode worker is lost, the prompt and the tokens
+        so far are prefilled on another pair and generation goes on where it stopped."""
+        started = time.monotonic() if started is None else started
+        output = OutputAssembler(self.tokenizer, job)
+        generated: list[int] = []
+        last_token_at = started
+        for recovery in range(MAX_RECOVERIES + 1):
+            attempt = job.resumed(generated) if generated else job
+            try:
+                async for chunk in self._relay(attempt, output, remaining):
+                    now = time.monotonic()
+                    if not generated:  # the first token
+                        self.metrics.ttft.observe(now - started)
+                    elif chunk.token_ids:
+                        # Tokens that arrive together share the gap since the last ones.
+                        for _ in chunk.token_ids:
+                            self.metrics.itl.observe((now - last_token_at) / len(chunk.token_ids))
+                    last_token_at = now
+                    generated += chunk.token_ids
+                    yield chunk
+                return
+            except DecodeLost as lost:
+                if recovery == MAX_RECOVERIES:
+                    raise UpstreamError(grpc.StatusCode.UNAVAILABLE, str(lost)) from lost
+                self.metrics.recoveries.inc()
+                log.warning("request %s: %s; resuming after %d tokens on another pair",
+                            job.request_id, lost, len(generated))
+
+    async def _relay(self, job: GenerationJob, output: OutputAssembler,
+                     remaining: Remaining) -> AsyncIterator[Chunk]:
+        """One worker pair's part: reserve, prefill, then relay decode's stream into ``output``,
+        trying other pairs on failures before the first token that another pair may not have.
+        Raises DecodeLost if the decode worker goes away mid-stream."""
+        tried: set[str] = set()
+        tried_prefill: set[str] = set()   # avoided while another prefill worker is healthy
+        last_error: PdserveError | None = None
+        wait_until = time.monotonic() + WORKER_RETURN_WAIT_S
+        attempts = 0
+        while attempts < MAX_ATTEMPTS:
+            try:
+                decode_worker = self.workers.pick("decode", job, exclude=frozenset(tried))
+                prefill_worker = self._pick_prefill(job, tried_prefill)
+            except NoHealthyWorker:
+                if last_error is None:
+                    raise
+                gone = getattr(last_error, "worker_code", last_error.code) in WORKER_GONE
+                if not gone or time.monotonic() > wait_until:
+                    log.info("request %s: no healthy worker left to try (%s)", job.request_id,
+                             "waited" if gone else "not a worker loss")
+                    break  # every worker was tried: the client gets the last worker's answer
+                # Workers died under this request: wait a little for one to be healthy
+                # again (a supervisor restarts it at the same address) rather than lose it.
+                await asyncio.sleep(WORKER_RETURN_POLL_S)
+                tried.clear()
+                tried_prefill.clear()
+                continue
+            attempts += 1
+            async with PairAttempt(job, decode_worker, prefill_worker, self._cleanup) as pair:
+                try:
+                    first_token = await self._prefill(pair, remaining)
+                except RetryElsewhere as retry:
+                    log.info("request %s: attempt %d failed (%s); trying another pair",
+                             job.request_id, attempts, retry)
+                    last_error = retry.error
+                    if (retry.error.worker_code in WORKER_GONE
+                            and time.monotonic() < wait_until):
+                        attempts -= 1   # a dead worker costs time (bounded), not an attempt
+                    if retry.decode_address:
+                        tried.add(retry.decode_address)
+                    else:
+                        tried_prefill.add(prefill_worker.address)
+                    continue
+                with self.workers.track(decode_worker):
+                    async for chunk in self._decode(pair, first_token, output, remaining):
+                        yield chunk
+                return
+        assert last_error is not None
+        raise last_error
+
+    def _pick_prefill(self, job: GenerationJob, tried: set[str]) -> Worker:
+        """A prefill worker this request has not failed on, or any healthy one if it has
+        failed on all (a restarted worker keeps its address)."""
+        try:
+            return self.workers.pick("prefill", job, exclude=frozenset(tried))
+        except NoHealthyWorker:
+            if not tried:
+                raise
+            return self.workers.pick("prefill", job)
+
+    async def _prefill(self, pair: PairAttempt, remaining: Remaining) -> int:
+        """Reserve and prefill on ``pair``; returns the first token. Raises RetryElsewhere for
+        a failure another pair may not have."""
+        try:
+            reserved = await pair.reserve(remaining())
+        except grpc.aio.AioRpcError as err:
+            if err.code() not in RETRYABLE:
+                raise upstream(err, pair.decode) from err
+            raise RetryElsewhere(upstream(err, pair.decode), pair.decode.address) from err
+        try:
+            with self.workers.track(pair.prefill):
+                return await pair.run_prefill(reserved, remaining())
+        except grpc.aio.AioRpcError as err:
+            if err.code() not in RETRYABLE:
+                raise upstream(err, pair.prefill) from err
+            if err.code() in WORKER_GONE:
+                self.workers.mark_unhealthy(pair.prefill, err.details() or "unavailable")
+            raise RetryElsewhere(upstream(err, pair.prefill), "") from err
+
+    async def _decode(self, pair: PairAttempt, first_token: int, output: OutputAssembler,
+                      remaining: Remaining) -> AsyncIterator[Chunk]:
+        job = pair.job
+        if not job.output_offset:
+            self.metrics.prompt_tokens.inc(len(job.prompt_ids))
+        chunk = output.add([first_token])
+        self.metrics.generated_tokens.inc(len(chunk.token_ids))
+        yield chunk
+        if output.finished:
+            return
+        try:
+            async for message in pair.stream_decode(first_token, remaining()):
+                chunk = output.add(list(message.token_ids))
+                self.metrics.generated_tokens.inc(len(chunk.token_ids))
+                if pair.decode_ended_stream and not output.finished:
+                    raise UpstreamError(grpc.StatusCode.INTERNAL, (
+                        f"decode worker {pair.decode.address} finished the request after "
+                        f"{output.completion_tokens} tokens; the router expected more"))
+                yield chunk
+                if output.finished:
+                    return
+        except (grpc.aio.AioRpcError, StreamError) as err:
+            if err.code() not in DECODE_LOST:
+                raise upstream(err, pair.decode) from err
+            if err.code() in WORKER_GONE:
+                self.workers.mark_unhealthy(pair.decode, err.details() or "unavailable")
+            raise DecodeLost(f"decode worker {pair.decode.address} lost the request: "
+                             f"{err.code().name}: {err.details()}") from err
+        raise DecodeLost(f"decode worker {pair.decode.address} ended the stream early")
