@@ -19,6 +19,7 @@ from pdserve.engine.runner import ModelRunner
 from pdserve.errors import InvalidRequest, PdserveError
 from pdserve.grpc_util import Server, map_errors
 from pdserve.metrics import DecodeMetrics
+from pdserve.models.source import served_name
 from pdserve.proto_convert import sampling_from_proto, worker_info
 from pdserve.sampling_params import SamplingParams, check_sampling, check_token_ids
 from pdserve.security import Identity
@@ -169,7 +170,7 @@ async def serve(config: DecodeConfig) -> None:
     runner = ModelRunner(config.engine, "decode")
     server = make_server(config.server, identity)
     worker = worker_id(config.server, "decode", server.port)
-    metrics = DecodeMetrics(worker)
+    metrics = DecodeMetrics(worker, served_name(config.engine))
     engines = offered_engines(config.kv_transfer, runner.device.type == "cuda")
     table = ReservationTable(runner.pool, config.max_queued_reservations, config.reserve_wait_s,
                              config.lease_timeout_s,

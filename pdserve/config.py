@@ -82,6 +82,8 @@ class ServerConfig:
                                        "`pdserve up` makes one")
     health_port: int = setting(-1, "also serve grpc.health.v1 alone, in plaintext, on this "
                                "port (for probes that cannot speak TLS; -1: no)")
+    stats_interval_s: float = setting(10.0, "log a stats line this often while busy (tokens/s, "
+                                      "running, queued, KV usage, cache hits; 0: never)")
     shutdown_grace_s: float = setting(5.0, "on SIGTERM, how long in-flight calls may take")
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR (any case)",
                              choices=("DEBUG", "INFO", "WARNING", "ERROR"), type=str.upper)

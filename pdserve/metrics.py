@@ -1,7 +1,8 @@
 """Prometheus metrics: one registry per process, one class per role, served on --metrics-port.
 
 Names are ``pdserve_<what>_<unit>``, counters end in ``_total``; every series carries the labels
-``role`` and ``worker``. Series without further labels exist from the start (at zero), so a
+``role``, ``worker`` and ``model_name`` (--served-model-name). Each registry also has the
+standard process and Python collectors (``process_*``, ``python_*``). Series without further labels exist from the start (at zero), so a
 dashboard never queries a name a running process does not export.
 """
 from __future__ import annotations
@@ -13,7 +14,10 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
+    GCCollector,
     Histogram,
+    PlatformCollector,
+    ProcessCollector,
     start_http_server,
 )
 
@@ -35,9 +39,12 @@ class RoleMetrics:
 
     role = ""
 
-    def __init__(self, worker: str) -> None:
+    def __init__(self, worker: str, model_name: str = "") -> None:
         self.registry = CollectorRegistry()
+        for collector in (ProcessCollector, PlatformCollector, GCCollector):
+            collector(registry=self.registry)
         self.worker = worker
+        self.model_name = model_name
         self.requests = self._metric(Counter, "pdserve_requests_total",
                                      "Requests by outcome (finished, cancelled or a gRPC code)",
                                      extra=("outcome",))
@@ -46,10 +53,17 @@ class RoleMetrics:
 
     def _metric(self, kind: type, name: str, doc: str, extra: tuple[str, ...] = (),
                 **kwargs: Any) -> Any:
-        metric = kind(name, doc, ["role", "worker", *extra], registry=self.registry, **kwargs)
+        metric = kind(name, doc, ["role", "worker", "model_name", *extra], registry=self.registry,
+                      **kwargs)
         if extra:
-            return _Bound(metric, self.role, self.worker)
-        return metric.labels(role=self.role, worker=self.worker)
+            return _Bound(metric, self.role, self.worker, self.model_name)
+        return metric.labels(role=self.role, worker=self.worker, model_name=self.model_name)
+
+    def sample(self, name: str) -> float:
+        """The value of this process's unlabelled series ``name`` (0 if it has none)."""
+        value = self.registry.get_sample_value(name, {"role": self.role, "worker": self.worker,
+                                                      "model_name": self.model_name})
+        return value or 0.0
 
     def request_done(self, outcome: str) -> None:
         self.requests.labels(outcome).inc()
@@ -61,17 +75,17 @@ class RoleMetrics:
 
 
 class _Bound:
-    """A labelled metric with role and worker already filled in."""
+    """A labelled metric with role, worker and model name already filled in."""
 
-    def __init__(self, metric: Any, role: str, worker: str) -> None:
-        self._metric, self._role, self._worker = metric, role, worker
+    def __init__(self, metric: Any, *fixed: str) -> None:
+        self._metric, self._fixed = metric, fixed
 
     def labels(self, *values: str) -> Any:
-        return self._metric.labels(self._role, self._worker, *values)
+        return self._metric.labels(*self._fixed, *values)
 
     def remove(self, *values: str) -> None:
         try:
-            self._metric.remove(self._role, self._worker, *values)
+            self._metric.remove(*self._fixed, *values)
         except KeyError:
             pass
 
@@ -79,8 +93,8 @@ class _Bound:
 class WorkerMetrics(RoleMetrics):
     """What both worker pools export: their model steps and their KV pool."""
 
-    def __init__(self, worker: str) -> None:
-        super().__init__(worker)
+    def __init__(self, worker: str, model_name: str = "") -> None:
+        super().__init__(worker, model_name)
         self.step_duration = self._metric(Histogram, "pdserve_step_duration_seconds",
                                           "Duration of one model step", buckets=LATENCY_BUCKETS_S)
         self.queue_wait = self._metric(Histogram, "pdserve_queue_wait_seconds",
@@ -113,8 +127,8 @@ class WorkerMetrics(RoleMetrics):
 class PrefillMetrics(WorkerMetrics):
     role = "prefill"
 
-    def __init__(self, worker: str) -> None:
-        super().__init__(worker)
+    def __init__(self, worker: str, model_name: str = "") -> None:
+        super().__init__(worker, model_name)
         self.prompt_tokens = self._metric(Counter, "pdserve_prompt_tokens_total",
                                           "Prompt tokens of prompts prefilled (cached or not)")
         self.computed_tokens = self._metric(Counter, "pdserve_prefill_computed_tokens_total",
@@ -165,8 +179,8 @@ class PrefillMetrics(WorkerMetrics):
 class DecodeMetrics(WorkerMetrics):
     role = "decode"
 
-    def __init__(self, worker: str) -> None:
-        super().__init__(worker)
+    def __init__(self, worker: str, model_name: str = "") -> None:
+        super().__init__(worker, model_name)
         self.generated_tokens = self._metric(Counter, "pdserve_generated_tokens_total",
                                              "Tokens generated by decode steps")
         self.batch_size = self._metric(Histogram, "pdserve_decode_batch_size",
@@ -184,8 +198,8 @@ class DecodeMetrics(WorkerMetrics):
 class RouterMetrics(RoleMetrics):
     role = "router"
 
-    def __init__(self, worker: str) -> None:
-        super().__init__(worker)
+    def __init__(self, worker: str, model_name: str = "") -> None:
+        super().__init__(worker, model_name)
         self.prompt_tokens = self._metric(Counter, "pdserve_prompt_tokens_total",
                                           "Prompt tokens of requests")
         self.generated_tokens = self._metric(Counter, "pdserve_generated_tokens_total",
@@ -199,6 +213,9 @@ class RouterMetrics(RoleMetrics):
         self.decisions = self._metric(Counter, "pdserve_router_decisions_total",
                                       "Workers picked, by role, policy and reason",
                                       extra=("target_role", "policy", "reason"))
+        self.finished = self._metric(Counter, "pdserve_request_finish_reasons_total",
+                                     "Requests that finished, by finish reason (length or stop)",
+                                     extra=("finish_reason",))
         self.recoveries = self._metric(Counter, "pdserve_request_recoveries_total",
                                        "Requests moved to another pair after losing decode")
         self.worker_healthy = self._metric(Gauge, "pdserve_worker_healthy",

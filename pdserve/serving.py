@@ -10,6 +10,7 @@ from pdserve.config import ServerConfig
 from pdserve.grpc_util import MAX_MESSAGE_BYTES, Server
 from pdserve.metrics import RoleMetrics
 from pdserve.security import Identity
+from pdserve.stats import log_stats
 
 log = logging.getLogger("pdserve")
 
@@ -36,8 +37,15 @@ def advertised_address(config: ServerConfig, port: int) -> str:
     return f"{config.advertise_host or config.host}:{port}"
 
 
+_stats_tasks: set[asyncio.Task] = set()
+
+
 def start_metrics(config: ServerConfig, metrics: RoleMetrics) -> str:
-    """Starts the exporter if asked; returns its URL or '' if none."""
+    """Starts the stats line (--stats-interval-s) and, if asked, the exporter; returns the
+    exporter's URL or '' if none. Runs on the process's event loop."""
+    task = asyncio.get_running_loop().create_task(log_stats(metrics, config.stats_interval_s))
+    _stats_tasks.add(task)
+    task.add_done_callback(_stats_tasks.discard)
     if config.metrics_port < 0:
         return ""
     port = metrics.serve(config.host, config.metrics_port)

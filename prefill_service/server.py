@@ -13,6 +13,7 @@ from pdserve.engine.runner import ModelRunner
 from pdserve.errors import InvalidRequest, NotPermitted, PdserveError
 from pdserve.grpc_util import map_errors
 from pdserve.metrics import PrefillMetrics
+from pdserve.models.source import served_name
 from pdserve.proto_convert import sampling_from_proto, worker_info
 from pdserve.sampling_params import check_sampling, check_token_ids
 from pdserve.security import Identity
@@ -81,7 +82,7 @@ async def serve(config: PrefillConfig) -> None:
     runner = ModelRunner(config.engine, "prefill")
     server = make_server(config.server, identity)
     worker = worker_id(config.server, "prefill", server.port)
-    metrics = PrefillMetrics(worker)
+    metrics = PrefillMetrics(worker, served_name(config.engine))
     links = DecodeLinks(runner.pool, config.transfer_timeout_s, identity, config.server.host)
     scheduler = PrefillScheduler(runner, links, config.chunk_size, config.max_queued_requests,
                                  metrics, layerwise=config.layerwise_transfer,

@@ -72,32 +72,53 @@ class Generation:
     async def run(self, job: GenerationJob, remaining: Remaining,
                   started: float | None = None) -> AsyncIterator[Chunk]:
         """Chunks of the job's output; if its decode worker is lost, the prompt and the tokens
-        so far are prefilled on another pair and generation goes on where it stopped."""
+        so far are prefilled on another pair and generation goes on where it stopped. The job
+        counts as queued until its first token."""
         started = time.monotonic() if started is None else started
         output = OutputAssembler(self.tokenizer, job)
         generated: list[int] = []
-        last_token_at = started
-        for recovery in range(MAX_RECOVERIES + 1):
-            attempt = job.resumed(generated) if generated else job
-            try:
-                async for chunk in self._relay(attempt, output, remaining):
-                    now = time.monotonic()
-                    if not generated:  # the first token
-                        self.metrics.ttft.observe(now - started)
-                    elif chunk.token_ids:
-                        # Tokens that arrive together share the gap since the last ones.
-                        for _ in chunk.token_ids:
-                            self.metrics.itl.observe((now - last_token_at) / len(chunk.token_ids))
-                    last_token_at = now
-                    generated += chunk.token_ids
-                    yield chunk
-                return
-            except DecodeLost as lost:
-                if recovery == MAX_RECOVERIES:
-                    raise UpstreamError(grpc.StatusCode.UNAVAILABLE, str(lost)) from lost
-                self.metrics.recoveries.inc()
-                log.warning("request %s: %s; resuming after %d tokens on another pair",
-                            job.request_id, lost, len(generated))
+        last_token_at = first_token_at = started
+        finish: str | None = None
+        self.metrics.queued.inc()
+        queued = True
+        try:
+            for recovery in range(MAX_RECOVERIES + 1):
+                attempt = job.resumed(generated) if generated else job
+                try:
+                    async for chunk in self._relay(attempt, output, remaining):
+                        now = time.monotonic()
+                        if not generated:  # the first token
+                            self.metrics.ttft.observe(now - started)
+                            first_token_at = now
+                            if queued:
+                                self.metrics.queued.dec()
+                                queued = False
+                        elif chunk.token_ids:
+                            # Tokens that arrive together share the gap since the last ones.
+                            gap = (now - last_token_at) / len(chunk.token_ids)
+                            for _ in chunk.token_ids:
+                                self.metrics.itl.observe(gap)
+                        last_token_at = now
+                        generated += chunk.token_ids
+                        if chunk.finish_reason is not None:
+                            finish = chunk.finish_reason
+                            self.metrics.finished.labels(finish).inc()
+                        yield chunk
+                    return
+                except DecodeLost as lost:
+                    if recovery == MAX_RECOVERIES:
+                        raise UpstreamError(grpc.StatusCode.UNAVAILABLE, str(lost)) from lost
+                    self.metrics.recoveries.inc()
+                    log.warning("request %s: %s; resuming after %d tokens on another pair",
+                                job.request_id, lost, len(generated))
+        finally:
+            if queued:
+                self.metrics.queued.dec()
+            if self.config.log_requests:
+                log.info("request %s: %d prompt + %d generated tokens, finish %s, first token "
+                         "%.3f s, done in %.3f s", job.request_id, len(job.prompt_ids),
+                         len(generated), finish or "none (failed or cancelled)",
+                         first_token_at - started, time.monotonic() - started)
 
     async def _relay(self, job: GenerationJob, output: OutputAssembler,
                      remaining: Remaining) -> AsyncIterator[Chunk]:

@@ -116,7 +116,8 @@ async def serve(config: RouterConfig) -> None:
     identity = Identity.from_config(config.server)
     server = make_server(config.server, identity, internal=False,
                          max_receive_bytes=config.max_request_bytes)
-    metrics = RouterMetrics(worker_id(config.server, "router", server.port))
+    metrics = RouterMetrics(worker_id(config.server, "router", server.port),
+                           served_name(config))
     workers = WorkerPool({"prefill": config.prefill_addrs + config.prefill_discovery,
                           "decode": config.decode_addrs + config.decode_discovery}, model,
                          config.health_interval_s, metrics, config.discovery_interval_s,

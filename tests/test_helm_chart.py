@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pdserve.cli import build_parser, role_config
+
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk (the test extra)")
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
@@ -26,7 +28,7 @@ VALUE_SETS = {
                     "nodeSelector": {"gpu": "h100"},
                     "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
                                      "effect": "NoSchedule"}]},
-        "decode": {"gpus": 2, "settings": {"device": "cuda", "kv-cache-gb": 40,
+        "decode": {"gpus": 1, "settings": {"device": "cuda", "kv-cache-gb": 40,
                                            "disable-cuda-graph": True, "fused-rope-kv": False,
                                            "max-running-requests": 1000000},
                    "resources": {"limits": {"memory": "64Gi"}},
@@ -51,6 +53,11 @@ VALUE_SETS = {
                          "serviceAccount": {"create": False},
                          "router": {"podDisruptionBudget": {"enabled": False}}},
     "model-in-image": {"model": {"source": "image", "path": "/opt/models/qwen3-8b"}},
+    "hub": {"model": {"source": "hub", "hub": {"repoId": "Qwen/Qwen3-0.6B", "revision": "main",
+                                               "cacheClaimName": "hf-cache"},
+                      "servedName": "qwen", "maxModelLen": 8192},
+            "hfToken": {"value": "hf_secret"}, "jitCache": {"claimName": "jit"},
+            "router": {"chatTemplate": "/etc/templates/chat.jinja"}},
 }
 
 
@@ -187,7 +194,7 @@ def test_gpu_values_request_gpus_and_mount_the_model():
     objects, _ = render(VALUE_SETS["gpu"])
     prefill, decode = (_one(objects, "Deployment", r) for r in ("prefill", "decode"))
     assert _container(prefill)["resources"]["limits"]["nvidia.com/gpu"] == 1
-    assert _container(decode)["resources"]["limits"] == {"nvidia.com/gpu": 2, "memory": "64Gi"}
+    assert _container(decode)["resources"]["limits"] == {"nvidia.com/gpu": 1, "memory": "64Gi"}
     assert "nvidia.com/gpu" not in _container(_one(objects, "Deployment", "router"))["resources"].get("limits", {})
     for deployment in _of(objects, "Deployment"):
         assert _args(deployment)["model"] == "/models/llama3-8b"
@@ -290,7 +297,13 @@ def test_kv_transfer_engine_reaches_the_decode_pods():
      "prefill` has no flag --chunk-sise"),
     ({"decode": {"settings": {"page-size": 32}}}, "decode.settings.page-size: the chart sets"),
     ({"model": {"source": "pvc"}}, "model.pvc.claimName is required"),
-    ({"model": {"source": "s3"}}, "model.source must be preset, pvc, hostPath or image"),
+    ({"model": {"source": "hub"}}, "model.hub.repoId"),
+    ({"prefill": {"gpus": 2}}, "prefill.gpus: 2: a prefill worker uses one GPU"),
+    ({"decode": {"gpus": 4}}, "decode.gpus: 4: a decode worker uses one GPU"),
+    ({"router": {"replica": 2}}, "replica"),                       # a typo: unknown key
+    ({"prefill": {"gpus": "one"}}, "gpus"),                       # a bad type
+    ({"kvTransfer": {"engine": "rdma"}}, "engine"),
+    ({"router": {"settings": {"http-port": 9000}}}, "the chart sets --http-port"),
     ({"tls": {"enabled": True}}, "tls.secretName is required"),
 ])
 def test_bad_values_fail_with_a_clear_message(values, message):
@@ -303,3 +316,66 @@ def test_dockerfile_matches_the_chart():
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert f"--uid {values['podSecurityContext']['runAsUser']}" in dockerfile
     assert '".[gpu]"' in dockerfile and "FROM nvidia/cuda" in dockerfile
+
+
+def test_router_serves_the_openai_api_on_its_http_port():
+    objects, _ = render({})
+    router = _one(objects, "Deployment", "router")
+    assert _args(router)["http-port"] == "8000"
+    assert {"name": "http", "containerPort": 8000, "protocol": "TCP"} in _container(router)["ports"]
+    service = _one(objects, "Service", "router")
+    assert {"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP",
+            "appProtocol": "http"} in service["spec"]["ports"]
+    [policy] = [p for p in _of(objects, "NetworkPolicy") if p["metadata"]["name"].endswith("router")]
+    assert {"port": "http"} in policy["spec"]["ingress"][0]["ports"]
+    objects, _ = render({"router": {"httpPort": 0}})
+    assert "http-port" not in _args(_one(objects, "Deployment", "router"))
+
+
+def test_a_hub_model_with_its_token_cache_and_names_reaches_every_pod():
+    objects, _ = render(VALUE_SETS["hub"])
+    [secret] = [o for o in _of(objects, "Secret") if o["metadata"]["name"].endswith("-hf-token")]
+    for role in ALL_ROLES:
+        deployment = _one(objects, "Deployment", role)
+        args = _args(deployment)
+        assert (args["model"], args["revision"], args["served-model-name"],
+                args["max-model-len"]) == ("Qwen/Qwen3-0.6B", "main", "qwen", "8192")
+        env = {e["name"]: e for e in _container(deployment)["env"]}
+        assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+            "name": secret["metadata"]["name"], "key": "token"}
+        assert env["HF_HOME"]["value"] == "/var/cache/huggingface"
+        assert env["FLASHINFER_WORKSPACE_BASE"]["value"] == "/var/cache/pdserve-jit"
+        volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+        assert volumes["hub-cache"]["persistentVolumeClaim"]["claimName"] == "hf-cache"
+        assert volumes["jit-cache"]["persistentVolumeClaim"]["claimName"] == "jit"
+        assert volumes["tmp"]["emptyDir"]["sizeLimit"] == "20Gi"
+    assert _args(_one(objects, "Deployment", "router"))["chat-template"] == \
+        "/etc/templates/chat.jinja"
+    objects, _ = render({"hfToken": {"existingSecret": "mine"}})
+    assert not [o for o in _of(objects, "Secret") if o["metadata"]["name"].endswith("-hf-token")]
+    env = {e["name"]: e for e in _container(_one(objects, "Deployment", "decode"))["env"]}
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "mine"
+
+
+def test_kv_cache_is_sized_automatically_unless_set(rendered):
+    _name, objects, _ = rendered
+    for role in ("prefill", "decode"):
+        args = _args(_one(objects, "Deployment", role))
+        parsed = role_config(role, build_parser().parse_args(
+            [role, *[f"--{k}={v}" if v else f"--{k}" for k, v in args.items()
+                     if k not in ("worker-id",)]]))
+        assert parsed.engine.kv_cache_gb == args.get("kv-cache-gb", "auto")
+
+
+def test_values_schema_rejects_unknown_keys_at_every_level():
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+
+    def check(node, value, path):
+        if node.get("type") == "object" and "properties" in node:
+            assert node.get("additionalProperties") is False, path
+            assert set(node["properties"]) == set(value), path
+            for key, child in node["properties"].items():
+                check(child, value[key], f"{path}.{key}")
+
+    check(schema, values, "values")

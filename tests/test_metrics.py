@@ -43,7 +43,7 @@ def test_every_process_exports_its_metrics(cluster):
     decode = _scrape(cluster.metrics_urls["decode0"])
     assert _sum(router, "pdserve_time_to_first_token_seconds_count") >= 1
     assert _sum(router, "pdserve_inter_token_latency_seconds_count") >= 5
-    assert 'pdserve_requests_total{outcome=finished,role=router' in "".join(router)
+    assert 'pdserve_requests_total{model_name=tiny,outcome=finished,role=router' in "".join(router)
     assert any(k.startswith("pdserve_worker_healthy{") and v == 1 for k, v in router.items())
     assert _sum(prefill, "pdserve_prompt_tokens_total") >= 8
     assert _sum(prefill, "pdserve_kv_transfer_bytes_total") > 0
@@ -139,3 +139,43 @@ def test_dashboard_loads_and_queries_only_exported_metrics(cluster):
     used = {name for expr in exprs for name in re.findall(r"\b(pdserve_[a-z0-9_]+)", expr)}
     missing = sorted(used - exported)
     assert not missing, f"dashboard queries metrics no process exports: {missing}"
+
+
+def test_dashboard_scopes_every_query_by_namespace_release_and_model():
+    dashboard = json.loads(DASHBOARD.read_text())
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    assert {"datasource", "namespace", "release", "model_name"} <= variables
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    for expr in exprs:
+        for selector in re.findall(r"\bpdserve_[a-z0-9_]+(\{[^}]*\})?", expr):
+            assert 'namespace=~"$namespace"' in selector, expr
+            assert 'release=~"$release"' in selector and 'model_name=~"$model_name"' in selector
+
+
+def test_series_carry_the_model_name_and_the_standard_collectors(cluster):
+    generate(cluster.stub(), text="label me",
+             sampling=generate_pb2.SamplingParams(max_new_tokens=3, ignore_eos=True))
+    for name, url in cluster.metrics_urls.items():
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        pdserve_lines = [line for line in text.splitlines() if line.startswith("pdserve_")]
+        assert pdserve_lines and all('model_name="tiny"' in line for line in pdserve_lines), name
+        assert "process_resident_memory_bytes" in text and "python_info" in text, name
+    router = urllib.request.urlopen(cluster.metrics_urls["router0"], timeout=10).read().decode()
+    assert re.search(r'pdserve_request_finish_reasons_total\{[^}]*finish_reason="length"[^}]*\} '
+                     r'[1-9]', router)
+    assert re.search(r"^pdserve_queued_requests\{[^}]*\} 0\.0$", router, re.M)
+
+
+def test_stats_line_shows_rates_and_gauges():
+    from pdserve.metrics import DecodeMetrics
+    from pdserve.stats import stats_line
+
+    metrics = DecodeMetrics("d0", "tiny")
+    previous: dict[str, float] = {}
+    stats_line(metrics, previous, 1.0)
+    metrics.generated_tokens.inc(500)
+    metrics.set_load(running=7, queued=2)
+    metrics.pages_used.set(25)
+    metrics.pages_free.set(75)
+    assert stats_line(metrics, previous, 2.0) == (
+        "decode stats: gen tok/s 250, running 7, queued 2, KV 25.0%")

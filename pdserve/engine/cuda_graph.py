@@ -18,6 +18,7 @@ from pdserve.engine.batch import ForwardBatch, SeqInput
 from pdserve.engine.decode_slots import upload
 from pdserve.kvcache.pool import NULL_PAGE, KVPool
 from pdserve.models.llama import CausalLM
+from pdserve.progress import progress
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,8 @@ class CudaGraphRunner:
     def _capture_all(self) -> None:
         stream = torch.cuda.Stream()
         memory_pool = None
-        for bs in reversed(self.bs_list):  # largest first: smaller graphs reuse its memory
+        # Largest first: smaller graphs reuse its memory.
+        for bs in progress(reversed(self.bs_list), len(self.bs_list), "capturing CUDA graphs"):
             batch = self._static_batch([PADDING_ROW] * bs)
             self.attn.prepare_for_capture(batch)
             stream.wait_stream(torch.cuda.current_stream())

@@ -11,6 +11,7 @@ from pdserve.models.config import ModelConfig
 from pdserve.models.llama import CausalLM
 from pdserve.models.ops import TorchOps, select_ops
 from pdserve.models.presets import model_config
+from pdserve.progress import progress
 
 __all__ = ["DTYPES", "load_model", "model_config", "resolve_dtype"]
 
@@ -80,7 +81,8 @@ def _load_safetensors(net: CausalLM, model_dir: Path) -> None:
 
     params = dict(net.named_parameters())
     rows_left = {name: p.shape[0] for name, p in params.items()}
-    for file in _checkpoint_files(model_dir):
+    files = _checkpoint_files(model_dir)
+    for file in progress(files, len(files), f"loading {model_dir.name} weights"):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
                 if "rotary_emb" in key or (key == "lm_head.weight" and net.config.tie_word_embeddings):

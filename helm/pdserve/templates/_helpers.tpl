@@ -64,6 +64,11 @@ app.kubernetes.io/component: {{ .role }}
 {{- printf "%s.%s.svc.%s" (include "pdserve.roleName" .) .root.Release.Namespace .root.Values.clusterDomain -}}
 {{- end -}}
 
+{{/* The Secret holding the Hugging Face token (key `token`). */}}
+{{- define "pdserve.hfTokenSecret" -}}
+{{- default (printf "%s-hf-token" (include "pdserve.fullname" .)) .Values.hfToken.existingSecret -}}
+{{- end -}}
+
 {{/* The Secret holding the token every internal call carries. */}}
 {{- define "pdserve.internalTokenSecret" -}}
 {{- default (printf "%s-internal-token" (include "pdserve.fullname" .)) .Values.internalToken.existingSecret -}}
@@ -78,14 +83,31 @@ app.kubernetes.io/component: {{ .role }}
 {{- printf "%s/%s" $m.mountPath $m.path | trimSuffix "/" -}}
 {{- else if eq $m.source "image" -}}
 {{- required "model.path (absolute, in the image) is required when model.source is image" $m.path -}}
+{{- else if eq $m.source "hub" -}}
+{{- required "model.hub.repoId (org/name) is required when model.source is hub" $m.hub.repoId -}}
 {{- else -}}
-{{- fail (printf "model.source must be preset, pvc, hostPath or image, not %q" $m.source) -}}
+{{- fail (printf "model.source must be preset, hub, pvc, hostPath or image, not %q" $m.source) -}}
 {{- end -}}
+{{- end -}}
+
+{{/* Flags every process takes from model: which model, and its name and context. */}}
+{{- define "pdserve.modelArgs" -}}
+{{- $m := .Values.model -}}
+- --model={{ include "pdserve.model" . }}
+{{- if and (eq $m.source "hub") $m.hub.revision }}
+- --revision={{ $m.hub.revision }}
+{{- end }}
+{{- if $m.servedName }}
+- --served-model-name={{ $m.servedName }}
+{{- end }}
+{{- if $m.maxModelLen }}
+- --max-model-len={{ int64 $m.maxModelLen }}
+{{- end }}
 {{- end -}}
 
 {{/* Flags every worker takes from model: (prefill and decode must agree on them). */}}
 {{- define "pdserve.engineArgs" -}}
-- --model={{ include "pdserve.model" .root }}
+{{ include "pdserve.modelArgs" .root }}
 - --dtype={{ .root.Values.model.dtype }}
 - --page-size={{ .root.Values.model.pageSize }}
 {{- end -}}
@@ -96,10 +118,10 @@ command: files/flags.json lists each role's flags, made from the code's config d
 {{- define "pdserve.settingsArgs" -}}
 {{- $role := .role -}}
 {{- $flags := index (.root.Files.Get "files/flags.json" | fromJson) $role -}}
-{{- $common := list "host" "port" "metrics-port" "worker-id" "log-level" "shutdown-grace-s" -}}
-{{- $managed := dict "router" (concat $common (list "model" "prefill-discovery" "decode-discovery" "tls-cert-file" "tls-key-file" "health-port"))
-                     "prefill" (concat $common (list "model" "dtype" "page-size"))
-                     "decode" (concat $common (list "model" "dtype" "page-size" "kv-transfer" "kv-transfer-port" "advertise-host")) -}}
+{{- $common := list "host" "port" "metrics-port" "worker-id" "log-level" "shutdown-grace-s" "model" "revision" "served-model-name" "max-model-len" -}}
+{{- $managed := dict "router" (concat $common (list "prefill-discovery" "decode-discovery" "tls-cert-file" "tls-key-file" "health-port" "http-port" "chat-template"))
+                     "prefill" (concat $common (list "dtype" "page-size"))
+                     "decode" (concat $common (list "dtype" "page-size" "kv-transfer" "kv-transfer-port" "advertise-host")) -}}
 {{- range $name, $value := (index .root.Values $role).settings }}
 {{- $kind := get $flags $name }}
 {{- if not $kind }}
@@ -130,6 +152,10 @@ ports, the first named grpc) and probePort (where grpc.health.v1 answers in plai
 {{- $root := .root -}}
 {{- $values := index $root.Values .role -}}
 {{- $model := $root.Values.model -}}
+{{- if and (hasKey $values "gpus") (gt (int $values.gpus) 1) -}}
+{{- fail (printf "%s.gpus: %v: a %s worker uses one GPU; run more replicas instead" .role $values.gpus .role) -}}
+{{- end -}}
+{{- $hfToken := or $root.Values.hfToken.existingSecret $root.Values.hfToken.value -}}
 apiVersion: apps/v1
 kind: Deployment
 metadata:
@@ -192,6 +218,23 @@ spec:
               value: "1"
             - name: PYTHONUNBUFFERED
               value: "1"
+            {{- if $model.hub.cacheClaimName }}
+            - name: HF_HOME
+              value: /var/cache/huggingface
+            {{- end }}
+            {{- if $hfToken }}
+            - name: HF_TOKEN
+              valueFrom:
+                secretKeyRef:
+                  name: {{ include "pdserve.hfTokenSecret" $root }}
+                  key: token
+            {{- end }}
+            {{- if $root.Values.jitCache.claimName }}
+            - name: FLASHINFER_WORKSPACE_BASE
+              value: /var/cache/pdserve-jit
+            - name: TRITON_CACHE_DIR
+              value: /var/cache/pdserve-jit/triton
+            {{- end }}
             {{- with $values.extraEnv }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
@@ -229,6 +272,14 @@ spec:
           volumeMounts:
             - name: tmp
               mountPath: /tmp
+            {{- if $model.hub.cacheClaimName }}
+            - name: hub-cache
+              mountPath: /var/cache/huggingface
+            {{- end }}
+            {{- if $root.Values.jitCache.claimName }}
+            - name: jit-cache
+              mountPath: /var/cache/pdserve-jit
+            {{- end }}
             {{- if or (eq $model.source "pvc") (eq $model.source "hostPath") }}
             - name: model
               mountPath: {{ $model.mountPath }}
@@ -246,7 +297,18 @@ spec:
             {{- end }}
       volumes:
         - name: tmp
-          emptyDir: {}
+          emptyDir:
+            sizeLimit: {{ $root.Values.tmpSizeLimit }}
+        {{- if $model.hub.cacheClaimName }}
+        - name: hub-cache
+          persistentVolumeClaim:
+            claimName: {{ $model.hub.cacheClaimName }}
+        {{- end }}
+        {{- if $root.Values.jitCache.claimName }}
+        - name: jit-cache
+          persistentVolumeClaim:
+            claimName: {{ $root.Values.jitCache.claimName }}
+        {{- end }}
         {{- if $root.Values.internalToken.enabled }}
         - name: internal-token
           secret:
