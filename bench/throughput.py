@@ -10,6 +10,8 @@ the client is never what limits the figure.
     python bench/throughput.py --model /tmp/q06 --up-args "--kv-cache-gb 40"
     python bench/throughput.py --model /tmp/q06 --up-args "--prefill-devices cuda:0 --decode-devices cuda:1"
     python bench/throughput.py --model /tmp/q06 --peer-json minisgl.json   # adds the ratio
+    python bench/throughput.py --model /tmp/q06 --api both   # gRPC, then the OpenAI HTTP API
+                                                             # (SSE) on the same cluster
 """
 from __future__ import annotations
 
@@ -71,13 +73,52 @@ async def _run_requests(router: str, jobs: list[tuple[list[int], int]], temperat
         return await asyncio.gather(*(one(i, p, n) for i, p, n in jobs))
 
 
+async def _run_http_requests(base_url: str, jobs: list[tuple[list[int], int]],
+                             temperature: float, start_at: float) -> list[dict]:
+    """The same requests through /v1/completions, streamed as server-sent events; tokens are
+    counted from the usage of the last event."""
+    import aiohttp
+
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector,
+                                     timeout=aiohttp.ClientTimeout(total=3600)) as session:
+        async with session.get(f"{base_url}/models") as reply:   # connected before the start
+            model = (await reply.json())["data"][0]["id"]
+
+        async def one(index: int, prompt: list[int], max_new: int) -> dict:
+            body = {"model": model, "prompt": prompt, "max_tokens": max_new, "stream": True,
+                    "temperature": temperature, "seed": index, "ignore_eos": True,
+                    "stream_options": {"include_usage": True}}
+            started = time.time()
+            first = None
+            tokens = 0
+            async with session.post(f"{base_url}/completions", json=body) as reply:
+                reply.raise_for_status()
+                async for line in reply.content:
+                    if not line.startswith(b"data: {"):
+                        continue
+                    if first is None:
+                        first = time.time()
+                    event = json.loads(line[6:])
+                    if event.get("usage"):
+                        tokens = event["usage"]["completion_tokens"]
+            end = time.time()
+            return {"start": started, "first": first or end, "end": end, "tokens": tokens}
+
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        return await asyncio.gather(*(one(i, p, n) for i, p, n in jobs))
+
+
 def _client(args: tuple) -> list[dict]:
     router, jobs, temperature, start_at = args
+    if router.startswith("http"):
+        return asyncio.run(_run_http_requests(router, jobs, temperature, start_at))
     return asyncio.run(_run_requests(router, jobs, temperature, start_at))
 
 
 def run_clients(router: str, prompts: list[list[int]], outputs: list[int], temperature: float,
                 processes: int) -> tuple[list[dict], float]:
+    """``router``: a gRPC address, or the HTTP API's base URL (http://host:port/v1)."""
     jobs = [(i, p, n) for i, (p, n) in enumerate(zip(prompts, outputs))]
     shares = [jobs[k::processes] for k in range(processes)]
     start_at = time.time() + 3.0   # every client connected and waiting: all submitted at once
@@ -129,6 +170,9 @@ def main() -> None:
                         "starting pdserve up (no decode metrics then)")
     parser.add_argument("--peer-json", default="", help="the peer's figure from the same run "
                         "(../shared/peers/minisgl_bench.py's JSON), for the ratio")
+    parser.add_argument("--api", default="grpc", choices=("grpc", "http", "both"),
+                        help="the public API the clients use (both: gRPC, then HTTP, on the "
+                        "same cluster, with the ratio)")
     parser.add_argument("--label", default="", help="name of this configuration in the JSON")
     parser.add_argument("--out", default="bench/results/throughput.json")
     args = parser.parse_args()
@@ -137,27 +181,49 @@ def main() -> None:
     process = None
     decode_metrics = ""
     router = args.router
+    http_url = ""
     if not router:
         process, router, metrics = start_up(["--model", args.model, *args.up_args.split()])
         decode_metrics = metrics.get("decode", "")
+        http_url = metrics.get("http", "")
+    apis = ["grpc", "http"] if args.api == "both" else [args.api]
+    if "http" in apis and not http_url:
+        sys.exit("--api http needs the cluster this script starts (it learns the HTTP port)")
+    rows = []
     try:
         vocab_size = model_vocab(router)
         if vocab_size <= 10000:   # a small test model: the same draws, folded into its vocabulary
             prompts = [[t % vocab_size for t in p] for p in prompts]
-        # Warm-up: one short request (first kernels, connections).
-        run_clients(router, [prompts[0][:16]], [4], args.temperature, 1)
-        before = scrape(decode_metrics) if decode_metrics else None
-        results, wall_s = run_clients(router, prompts, outputs, args.temperature, args.clients)
-        after = scrape(decode_metrics) if decode_metrics else None
+        for k, api in enumerate(apis):
+            target = http_url if api == "http" else router
+            if k:   # another first token: the prefix cache holds nothing of the earlier run
+                prompts = [[(p[0] + 1) % vocab_size] + p[1:] for p in prompts]
+            # Warm-up: one short request (first kernels, connections).
+            run_clients(target, [prompts[0][:16]], [4], args.temperature, 1)
+            before = scrape(decode_metrics) if decode_metrics else None
+            results, wall_s = run_clients(target, prompts, outputs, args.temperature,
+                                          args.clients)
+            after = scrape(decode_metrics) if decode_metrics else None
+            rows.append(_row(args, api, results, wall_s, outputs, before, after))
     finally:
         if process is not None:
             process.send_signal(signal.SIGTERM)
             process.wait(120)
+    row = rows[0] if len(rows) == 1 else {
+        "label": rows[0]["label"], "grpc": rows[0], "http": rows[1],
+        "http_to_grpc": round(rows[1]["throughput_tok_s"] / rows[0]["throughput_tok_s"], 3)}
+    if len(rows) > 1:
+        print(json.dumps({"http_to_grpc": row["http_to_grpc"]}), flush=True)
+    write_results(args.out, "throughput", row)
 
+
+def _row(args: argparse.Namespace, api: str, results: list[dict], wall_s: float,
+         outputs: list[int], before: dict[str, float] | None,
+         after: dict[str, float] | None) -> dict:
     tokens = sum(r["tokens"] for r in results)
     expected = sum(outputs)
     row = {
-        "label": args.label or args.up_args or "default",
+        "label": args.label or args.up_args or "default", "api": api,
         "model": args.model, "seqs": len(results), "output_tokens": tokens,
         "output_tokens_expected": expected, "wall_s": round(wall_s, 2),
         "throughput_tok_s": round(tokens / wall_s, 1),
@@ -181,8 +247,9 @@ def main() -> None:
         row["ratio_to_peer"] = round(row["throughput_tok_s"] / peer["throughput_tok_s"], 3)
     print(json.dumps(row), flush=True)
     if tokens != expected:
-        print(f"warning: {tokens} tokens generated, {expected} requested", file=sys.stderr)
-    write_results(args.out, "throughput", row)
+        print(f"warning: {api}: {tokens} tokens generated, {expected} requested",
+              file=sys.stderr)
+    return row
 
 
 if __name__ == "__main__":

@@ -368,3 +368,26 @@ def test_overlapped_decode_loop_on_gpu_matches_single_process():
         expected = local.generate(runner, prompt, params)
         _assert_same_or_near_tie(runner, prompt, expected, outputs[f"r{i}"], tolerance=0.25)
     assert table.held_pages == 0
+
+
+def test_kv_cache_auto_splits_one_gpu_between_the_roles():
+    """`up` with prefill and decode on one GPU and no KV size: decode's pool gets most of
+    what --gpu-memory-utilization allows, and the GPU is not overcommitted."""
+    cluster = start_cluster(["--model", "small", "--page-size", "16", "--num-pages", "0",
+                             "--gpu-memory-utilization", "0.5"])
+    try:
+        prefill, decode = cluster.worker_info("prefill"), cluster.worker_info("decode")
+        free, total = torch.cuda.mem_get_info()
+        bytes_per_page = 4 * 2 * 16 * 2 * 128 * 2   # small: 4 layers, K+V, 2 KV heads, bf16
+        prefill_gib = prefill.total_pages * bytes_per_page / 2**30
+        decode_gib = decode.total_pages * bytes_per_page / 2**30
+        print(f"auto KV: prefill {prefill_gib:.1f} GiB, decode {decode_gib:.1f} GiB of "
+              f"{total / 2**30:.0f} GiB; free after start {free / 2**30:.1f} GiB")
+        assert 2.0 < decode_gib / prefill_gib < 3.0     # 0.35 vs 0.15 of the GPU, less overheads
+        assert prefill_gib + decode_gib < 0.5 * total / 2**30
+        assert free > 0.4 * total
+        _assert_greedy_like(cluster, ModelRunner(EngineConfig(
+            model="small", page_size=16, num_pages=1024, attention_backend="torch"),
+            "prefill"), (5, 40), seed=3)
+    finally:
+        stop_cluster(cluster)
