@@ -150,9 +150,12 @@ class OpenAIServer:
             outcome = err.code.name.lower()
             status, body = error_body(err)
             return web.json_response(body, status=status)
-        except (asyncio.CancelledError, ConnectionResetError):   # the client went away
+        except asyncio.CancelledError:   # the client went away (handler cancelled)
             outcome = "cancelled"
             raise
+        except ConnectionResetError:     # ... noticed while writing to it
+            outcome = "cancelled"
+            return web.Response(status=499)
         finally:
             self.metrics.running.dec()
             self.metrics.request_done(outcome)
