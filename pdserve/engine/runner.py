@@ -35,16 +35,19 @@ def auto_kv_bytes(device: torch.device, utilization: float, cfg: ModelConfig) ->
     less what this process holds already (weights), the activations of a large step (a
     prefill step of ACTIVATION_TOKENS tokens; decode logits of 256 rows) and CUDA_OVERHEAD_BYTES.
     Other processes on the GPU are given their own share by `pdserve up`."""
-    _free, total = torch.cuda.mem_get_info(device)
+    free, total = torch.cuda.mem_get_info(device)
     held = torch.cuda.memory_reserved(device)
     activations = (ACTIVATION_TOKENS * (2 * cfg.intermediate_size + 6 * cfg.hidden_size) * 2
                    + 3 * 256 * cfg.vocab_size * 4)
     budget = int(utilization * total) - held - activations - CUDA_OVERHEAD_BYTES
+    # Never more than is free now: another process may hold part of the GPU.
+    budget = min(budget, free - activations - CUDA_OVERHEAD_BYTES)
     if budget <= 0:
         raise ConfigError(f"--gpu-memory-utilization {utilization:g} of {total / 2**30:.1f} GiB "
                           f"leaves no room for KV after {held / 2**30:.1f} GiB of weights and "
                           f"{(activations + CUDA_OVERHEAD_BYTES) / 2**30:.1f} GiB of activations"
-                          "; raise it or set --kv-cache-gb")
+                          f" ({free / 2**30:.1f} GiB free now); raise it, free the GPU or set "
+                          "--kv-cache-gb")
     return budget
 
 
