@@ -35,19 +35,17 @@ def auto_kv_bytes(device: torch.device, utilization: float, cfg: ModelConfig) ->
     less what this process holds already (weights), the activations of a large step (a
     prefill step of ACTIVATION_TOKENS tokens; decode logits of 256 rows) and CUDA_OVERHEAD_BYTES.
     Other processes on the GPU are given their own share by `pdserve up`."""
-    free, total = torch.cuda.mem_get_info(device)
-    held = torch.cuda.memory_reserved(device)
+    torch.cuda.empty_cache()   # what loading the weights reserved and no longer uses
+    _free, total = torch.cuda.mem_get_info(device)
+    held = torch.cuda.memory_allocated(device)
     activations = (ACTIVATION_TOKENS * (2 * cfg.intermediate_size + 6 * cfg.hidden_size) * 2
                    + 3 * 256 * cfg.vocab_size * 4)
     budget = int(utilization * total) - held - activations - CUDA_OVERHEAD_BYTES
-    # Never more than is free now: another process may hold part of the GPU.
-    budget = min(budget, free - activations - CUDA_OVERHEAD_BYTES)
     if budget <= 0:
         raise ConfigError(f"--gpu-memory-utilization {utilization:g} of {total / 2**30:.1f} GiB "
                           f"leaves no room for KV after {held / 2**30:.1f} GiB of weights and "
                           f"{(activations + CUDA_OVERHEAD_BYTES) / 2**30:.1f} GiB of activations"
-                          f" ({free / 2**30:.1f} GiB free now); raise it, free the GPU or set "
-                          "--kv-cache-gb")
+                          "; raise it or set --kv-cache-gb")
     return budget
 
 
@@ -88,7 +86,13 @@ class ModelRunner:
             page_size=config.page_size, num_layers=self.model_config.num_layers,
             num_kv_heads=self.model_config.num_kv_heads, head_dim=self.model_config.head_dim)
         num_pages = config.num_pages or self._pages_for_budget(config, dtype)
-        self.pool = KVPool(self.layout, num_pages, dtype, self.device)
+        try:
+            self.pool = KVPool(self.layout, num_pages, dtype, self.device)
+        except torch.OutOfMemoryError as err:   # another process holds part of the GPU
+            raise ConfigError(
+                f"the KV pool ({num_pages} pages) does not fit in {self.device}'s free memory "
+                f"({torch.cuda.mem_get_info(self.device)[0] / 2**30:.1f} GiB): lower "
+                "--gpu-memory-utilization or --kv-cache-gb, or free the GPU") from err
         self.backend_name, reason = resolve_backend(config.attention_backend, role, self.device,
                                                     dtype, self.model_config.head_dim)
         self.attn = create_backend(self.backend_name, self.pool, self.model_config.num_heads,

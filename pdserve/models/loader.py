@@ -37,7 +37,8 @@ def load_model(model: str, dtype: str, device: torch.device, seed: int = 0,
     torch_dtype = resolve_dtype(dtype, config)
     with torch.device("meta"):
         net = CausalLM(config)
-    net = net.to_empty(device=device).to(torch_dtype)
+    # The dtype first, on meta: the device never holds a float32 copy of the weights.
+    net = net.to(torch_dtype).to_empty(device=device)
     if Path(model).is_dir():
         _load_safetensors(net, Path(model))
     else:
