@@ -182,6 +182,8 @@ class LauncherConfig:
     ready_timeout_s: float = setting(600.0, "how long the cluster may take to become ready")
     max_restarts: int = setting(5, "times one process that dies is started again within 10 "
                                 "minutes before `up` stops everything (0: stop at the first death)")
+    stats_interval_s: float = setting(10.0, "every process logs a stats line this often while "
+                                      "busy (0: never)")
     log_level: str = setting("INFO", "log level of every process (any case)",
                              choices=("DEBUG", "INFO", "WARNING", "ERROR"), type=str.upper)
     tls: bool = setting(False, "mutual TLS between every process (a CA and a certificate made "

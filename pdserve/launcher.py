@@ -178,10 +178,11 @@ def _die_with_parent() -> None:
 
 
 def _start(role: str, host: str, port: int, metrics: PortPicker | None, extra: list[str],
-           log_level: str, secrets: ClusterSecrets) -> Child:
+           launcher: LauncherConfig, secrets: ClusterSecrets) -> Child:
     metrics_port = metrics() if metrics else -1
     cmd = [sys.executable, "-m", "pdserve", role, "--host", host, "--port", str(port),
-           "--metrics-port", str(metrics_port), "--log-level", log_level,
+           "--metrics-port", str(metrics_port), "--log-level", launcher.log_level,
+           "--stats-interval-s", str(launcher.stats_interval_s),
            *secrets.server_flags(), *extra]
     process = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
     url = f"http://{host}:{metrics_port}/metrics" if metrics else "-"
@@ -306,15 +307,14 @@ def run_cluster(plan: ClusterPlan) -> int:
         for role, count in (("prefill", launcher.prefill), ("decode", launcher.decode)):
             for i in range(count):
                 workers.append(_start(role, host, ports(), metrics,
-                                      plan.worker_argv(role, i), launcher.log_level, secrets))
+                                      plan.worker_argv(role, i), launcher, secrets))
         children.extend(workers)
         for child in workers:
             _until_ready(child, deadline, stopping, secrets, launcher.max_restarts)
         http_port = ports() if launcher.http_port == 0 else launcher.http_port
         extra = plan.router_argv([c.address for c in workers if c.role == "prefill"],
                                  [c.address for c in workers if c.role == "decode"], http_port)
-        router = _start("router", host, launcher.port, metrics, extra, launcher.log_level,
-                        secrets)
+        router = _start("router", host, launcher.port, metrics, extra, launcher, secrets)
         children.append(router)
         _until_ready(router, deadline, stopping, secrets, launcher.max_restarts)
         for child in children:

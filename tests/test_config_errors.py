@@ -15,6 +15,7 @@ from conftest import free_port, start_cluster, stop_cluster
 from test_hf_folder import hf_folder  # noqa: F401 - the fixture
 
 from pdserve.cli import build_parser, role_config
+from pdserve.errors import ConfigError
 
 
 def _pdserve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -127,3 +128,24 @@ def test_a_repo_id_is_served_from_the_cache_offline(tmp_path, hf_folder, monkeyp
             assert reply.usage.completion_tokens == 4
     finally:
         assert stop_cluster(cluster) == 0
+
+
+def test_nixl_that_is_not_installed_is_one_line_before_any_child(monkeypatch):
+    """NIXL is installed where the tests run, so its absence is patched in: `up` checks the
+    engine before it starts anything (it used to fail later as a layout mismatch)."""
+    import kv_transfer
+    from pdserve.launcher import ClusterPlan
+
+    monkeypatch.setattr(kv_transfer, "nixl_installed", lambda: False)
+    plan = ClusterPlan.from_args(build_parser().parse_args(
+        ["up", "--kv-transfer", "nixl", "--port", str(free_port())]))
+    with pytest.raises(ConfigError, match="--kv-transfer nixl: NIXL is not installed"):
+        plan.preflight()
+
+
+def test_a_worker_refuses_a_busy_metrics_port():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        _one_line_error(_pdserve("decode", "--metrics-port", str(busy.getsockname()[1])),
+                        "--metrics-port", "in use")
