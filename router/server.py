@@ -45,7 +45,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
     async def GetModelInfo(self, request: generate_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> generate_pb2.GetModelInfoResponse:
         return generate_pb2.GetModelInfoResponse(
-            model=self.model.name, vocab_size=self.model.vocab_size,
+            model=served_name(self.config), vocab_size=self.model.vocab_size,
             max_model_len=self.model.max_model_len,
             prefill_workers=len(self.workers.healthy("prefill")),
             decode_workers=len(self.workers.healthy("decode")))

@@ -60,11 +60,11 @@ def test_multibyte_characters_come_out_whole_with_a_bpe_tokenizer(hf_folder):
 
 def test_cluster_on_an_hf_folder_matches_transformers(hf_folder):
     folder, model = hf_folder
-    cluster = start_cluster(["--model", str(folder)])
+    cluster = start_cluster(["--model", str(folder), "--served-model-name", "my-llama"])
     try:
         stub = cluster.stub()
         info = stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=5)
-        assert (info.model, info.vocab_size, info.max_model_len) == (folder.name, 300, 256)
+        assert (info.model, info.vocab_size, info.max_model_len) == ("my-llama", 300, 256)
         sampling = generate_pb2.SamplingParams(max_new_tokens=24, ignore_eos=True)
         ids, text, finish, responses = generate(stub, text=TEXT, sampling=sampling)
         prompt = load_tokenizer(str(folder)).encode(TEXT)
