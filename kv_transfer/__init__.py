@@ -9,13 +9,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pdserve.preflight import nixl_installed
+
 if TYPE_CHECKING:
     from kv_transfer.base import Receiver, Sender, TransferSink
     from pdserve.kvcache.pool import KVPool
-
-
-def nixl_installed() -> bool:
-    return any(importlib.util.find_spec(m) is not None for m in ("nixl", "nixl_cu12", "nixl_cu13"))
 
 
 @dataclass(frozen=True)
@@ -35,7 +33,7 @@ ENGINES: dict[str, Engine] = {
     "grpc": Engine("kv_transfer.grpc_engine:GrpcSender", "kv_transfer.grpc_engine:GrpcReceiver",
                    lambda on_cuda: True, one_sided=False),
 }
-ENGINE_CHOICES = ("auto", *ENGINES)
+ENGINE_CHOICES = ("auto", *ENGINES)   # the same as pdserve.config.KV_TRANSFER_ENGINES (tested)
 
 
 def usable_engines(pool_on_cuda: bool) -> list[str]:

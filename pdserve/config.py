@@ -8,6 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# The engines a decode worker may be told to use (kv_transfer.ENGINE_CHOICES: a test keeps
+# them equal).
+KV_TRANSFER_ENGINES = ("auto", "cuda_ipc", "nixl", "grpc")
+
 
 def setting(default: Any, help: str, **argparse_options: Any) -> Any:
     """A config field with its flag's help (``choices``, ``metavar`` and the like pass on to
@@ -126,7 +130,7 @@ class DecodeConfig:
     kv_transfer: str = setting("auto", "engine prefill writes this worker's KV with: grpc "
                                "(host-staged, anywhere), nixl (NIXL/UCX straight into the pool), "
                                "cuda_ipc (same host, GPU to GPU) or auto (the best both sides "
-                               "can use)")
+                               "can use)", choices=KV_TRANSFER_ENGINES)
 
 
 @dataclass

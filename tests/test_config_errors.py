@@ -133,10 +133,10 @@ def test_a_repo_id_is_served_from_the_cache_offline(tmp_path, hf_folder, monkeyp
 def test_nixl_that_is_not_installed_is_one_line_before_any_child(monkeypatch):
     """NIXL is installed where the tests run, so its absence is patched in: `up` checks the
     engine before it starts anything (it used to fail later as a layout mismatch)."""
-    import kv_transfer
+    from pdserve import preflight
     from pdserve.launcher import ClusterPlan
 
-    monkeypatch.setattr(kv_transfer, "nixl_installed", lambda: False)
+    monkeypatch.setattr(preflight, "nixl_installed", lambda: False)
     plan = ClusterPlan.from_args(build_parser().parse_args(
         ["up", "--kv-transfer", "nixl", "--port", str(free_port())]))
     with pytest.raises(ConfigError, match="--kv-transfer nixl: NIXL is not installed"):
@@ -149,3 +149,12 @@ def test_a_worker_refuses_a_busy_metrics_port():
         busy.listen()
         _one_line_error(_pdserve("decode", "--metrics-port", str(busy.getsockname()[1])),
                         "--metrics-port", "in use")
+
+
+def test_the_kv_transfer_flag_takes_exactly_the_registered_engines():
+    from kv_transfer import ENGINE_CHOICES
+    from pdserve.config import KV_TRANSFER_ENGINES
+
+    assert set(KV_TRANSFER_ENGINES) == set(ENGINE_CHOICES)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["decode", "--kv-transfer", "rdma"])
