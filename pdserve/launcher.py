@@ -318,8 +318,9 @@ def run_cluster(plan: ClusterPlan) -> int:
         children.append(router)
         _until_ready(router, deadline, stopping, secrets, launcher.max_restarts)
         for child in children:
-            http = f"  http=http://{host}:{http_port}/v1" if child is router and http_port >= 0 \
-                else ""
+            scheme = "https" if launcher.tls else "http"
+            http = f"  http={scheme}://{host}:{http_port}/v1" \
+                if child is router and http_port >= 0 else ""
             print(f"{child.role:<8} grpc={child.address}  metrics={child.metrics_url}  "
                   f"pid={child.process.pid}{http}", flush=True)
         if secrets.ca_file:

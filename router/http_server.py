@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import ssl
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -80,14 +81,14 @@ class OpenAIServer:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         return app
 
-    async def start(self, host: str, port: int) -> int:
-        """Serves on ``host:port`` (0: any free port); returns the port. A busy port raises
-        OSError (SO_REUSEPORT off: never shared with another server)."""
+    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> int:
+        """Serves on ``host:port`` (0: any free port), over TLS with ``ssl_context``; returns
+        the port. A busy port raises OSError (SO_REUSEPORT off: never shared)."""
         # handler_cancellation: a client that disconnects cancels its handler, and with it
         # every choice it was generating.
         self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, reuse_port=False)
+        site = web.TCPSite(self._runner, host, port, reuse_port=False, ssl_context=ssl_context)
         await site.start()
         return site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from collections.abc import AsyncIterator
 
@@ -144,14 +145,18 @@ async def serve(config: RouterConfig) -> None:
         if config.http_port >= 0:
             http = OpenAIServer(generation, model, served_name(config), template,
                                 config.max_request_bytes)
+            tls = None
+            if config.server.tls_cert_file:   # the public API over TLS, as the gRPC port
+                tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+                tls.load_cert_chain(config.server.tls_cert_file, config.server.tls_key_file)
             try:
-                port = await http.start(config.server.host, config.http_port)
+                port = await http.start(config.server.host, config.http_port, tls)
             except OSError as err:
                 raise ConfigError(f"--http-port {config.http_port}: cannot listen on "
                                   f"{config.server.host}:{config.http_port}: "
                                   f"{err.strerror or err}") from err
-            log.info("router serving the OpenAI HTTP API on http://%s:%d/v1 (model %r)",
-                     config.server.host, port, served_name(config))
+            log.info("router serving the OpenAI HTTP API on %s://%s:%d/v1 (model %r)",
+                     "https" if tls else "http", config.server.host, port, served_name(config))
         # Health turns SERVING only once a prefill and a decode worker are healthy.
         await serve_until_signal(server, "router", metrics_url, config.server.shutdown_grace_s,
                                  serving=False)

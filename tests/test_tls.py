@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 import re
+import ssl
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 
 import grpc
+import openai
 import pytest
 from conftest import free_port, start_cluster, start_roles, stop_cluster
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -62,6 +66,17 @@ def test_up_tls_runs_the_whole_cluster_over_mutual_tls():
                 text="over mTLS", sampling=generate_pb2.SamplingParams(max_new_tokens=4,
                                                                        ignore_eos=True))
             assert sum(len(r.token_ids) for r in stub.Generate(request, timeout=60)) == 4
+        # The OpenAI API is served over TLS too, with the same certificate.
+        assert cluster.http_url.startswith("https://")
+        http = openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=ca))
+        with openai.OpenAI(base_url=cluster.http_url, api_key="x", http_client=http,
+                           max_retries=0) as client:
+            reply = client.completions.create(model="tiny", prompt="over https", max_tokens=4,
+                                              extra_body={"ignore_eos": True})
+            assert reply.usage.completion_tokens == 4
+        plain = cluster.http_url.replace("https://", "http://") + "/models"
+        with pytest.raises((urllib.error.URLError, ConnectionError)):   # no plaintext HTTP
+            urllib.request.urlopen(plain, timeout=5)
         worker = cluster.workers["decode"][0]
         # A worker takes no plaintext, and no TLS client without a certificate the CA signed.
         with grpc.insecure_channel(worker) as ch, pytest.raises(grpc.RpcError):
