@@ -198,3 +198,41 @@ def test_http_errors_are_openai_json(cluster):
         urllib.request.urlopen(request)
     assert caught.value.code == 400
     assert json.loads(caught.value.read())["error"]["type"] == "invalid_request_error"
+
+
+def test_a_cancelled_stream_of_several_choices_frees_every_page(cluster, client):
+    stream = client.completions.create(model="tiny", prompt=[PROMPT, "Other"], n=2,
+                                       max_tokens=600, stream=True, seed=5,
+                                       extra_body={"ignore_eos": True})
+    seen = set()
+    for chunk in stream:
+        seen |= {c.index for c in chunk.choices}
+        if len(seen) == 4:
+            break
+    stream.close()
+    assert seen == {0, 1, 2, 3}
+    assert cluster.wait_all_pages_free(), cluster.free_pages()
+
+
+def test_a_whole_answer_abandoned_by_its_client_frees_every_page(cluster):
+    with openai.OpenAI(base_url=cluster.http_url, api_key="unused", max_retries=0,
+                       timeout=1.0) as impatient:
+        with pytest.raises(openai.APITimeoutError):
+            impatient.completions.create(model="tiny", prompt=PROMPT, max_tokens=1800,
+                                         extra_body={"ignore_eos": True})
+    assert cluster.wait_all_pages_free(), cluster.free_pages()
+    assert metric_sum(cluster.metrics_urls["router0"], "pdserve_running_requests") == 0
+
+
+def test_overload_is_429_whole_and_an_error_event_streamed(cluster, client):
+    """Four 1,500-token choices need more KV pages than the test decode pool has: refused as
+    overload (429), or, once a stream's headers are out, as an error event; nothing leaks."""
+    kwargs = dict(model="tiny", prompt=PROMPT, n=4, max_tokens=1500,
+                  extra_body={"ignore_eos": True})
+    with pytest.raises(openai.RateLimitError) as caught:
+        client.completions.create(**kwargs)
+    assert caught.value.body["type"] == "server_overloaded"
+    with pytest.raises(openai.APIError, match="no KV pages"):
+        for _chunk in client.completions.create(**kwargs, stream=True):
+            pass
+    assert cluster.wait_all_pages_free(), cluster.free_pages()
