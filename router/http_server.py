@@ -34,11 +34,10 @@ from router.openai_protocol import (
     usage,
 )
 from router.output import Chunk
-from router.validation import GenerationJob, validate
+from router.validation import INLINE_VALIDATION_BYTES, GenerationJob, validate
 
 log = logging.getLogger(__name__)
 
-INLINE_VALIDATION_BYTES = 64 << 10   # larger bodies are parsed and checked off the event loop
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
 

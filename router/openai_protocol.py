@@ -56,14 +56,16 @@ class OpenAIRequest:
 
 def _typed(body: dict[str, Any], name: str, kinds: type | tuple[type, ...],
            default: Any = None) -> Any:
+    """``body[name]`` if it is one of ``kinds`` (absent or null: ``default``), else
+    InvalidField."""
     value = body.get(name)
     if value is None:
         return default
+    allowed = kinds if isinstance(kinds, tuple) else (kinds,)
     # bool is an int in Python: a number field must not take true/false.
-    if (isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,))) \
-            or not isinstance(value, kinds):
-        kind_names = " or ".join(k.__name__ for k in (kinds if isinstance(kinds, tuple) else (kinds,)))
-        raise InvalidField(name, f"'{name}' must be {kind_names.replace('str', 'a string')}")
+    if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+        names = " or ".join("a string" if k is str else k.__name__ for k in allowed)
+        raise InvalidField(name, f"'{name}' must be {names}")
     if isinstance(value, float) and not math.isfinite(value):
         raise InvalidField(name, f"'{name}' must be a finite number")
     return value

@@ -23,14 +23,18 @@ from protos.pdserve.v1 import generate_pb2, generate_pb2_grpc
 from router.generation import Generation
 from router.http_server import OpenAIServer
 from router.output import Chunk
-from router.validation import GenerateInput, GenerationJob, validate
+from router.validation import (
+    INLINE_VALIDATION_BYTES,
+    GenerateInput,
+    GenerationJob,
+    validate,
+)
 from router.workers import WorkerPool
 
 log = logging.getLogger(__name__)
 
 FINISH = {None: generate_pb2.FINISH_REASON_UNSPECIFIED, "length": generate_pb2.FINISH_REASON_LENGTH,
           "stop": generate_pb2.FINISH_REASON_STOP}
-INLINE_VALIDATION_BYTES = 64 << 10   # larger requests are validated off the event loop
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):

@@ -14,6 +14,7 @@ from protos.pdserve.v1 import generate_pb2
 
 MAX_STOP_STRING_CHARS = 256
 MAX_REQUEST_ID_CHARS = 256
+INLINE_VALIDATION_BYTES = 64 << 10   # larger requests are checked off the event loop (fronts)
 
 
 @dataclass
