@@ -57,7 +57,7 @@ class Gated(KVTransferServicer):
 def test_aborting_at_each_phase_frees_both_sides(phase, tiny_runner):
     async def scenario():
         src = tiny_runner.pool
-        dst = KVPool(src.layout, 256, src.tensor.dtype, torch.device("cpu"))
+        dst = KVPool(src.layout, 1024, src.tensor.dtype, torch.device("cpu"))
         table = ReservationTable(dst, max_queued=4, wait_s=1.0, lease_timeout_s=30.0,
                                  unseen_writes_possible=False)
         servicer = Gated(dst, table, "grpc", phase=phase)
@@ -81,10 +81,15 @@ def test_aborting_at_each_phase_frees_both_sides(phase, tiny_runner):
 
         try:
             if phase == "queued":
-                _, blocker = await request("blocker", 400)
+                # 2,000 tokens at 16 a step: the victim queues behind it for 125 steps, even
+                # on a fast machine.
+                blocking, blocker = await request("blocker", 2000)
                 task, call = await request("victim", 40)
-                await asyncio.sleep(0.05)
-                assert task.computed == 0           # behind the blocker, not started
+                for _ in range(5000):              # until the scheduler has seen it
+                    if scheduler.num_waiting:
+                        break
+                    await asyncio.sleep(0.001)
+                assert task.computed == 0 and blocking.remaining > 0   # queued, not started
             elif phase == "computing":
                 task, call = await request("victim", 400)
                 while task.computed == 0:
