@@ -5,6 +5,7 @@ import asyncio
 import logging
 import signal
 import socket
+from collections.abc import Awaitable, Callable
 
 from pdserve.config import ServerConfig
 from pdserve.grpc_util import MAX_MESSAGE_BYTES, Server
@@ -53,9 +54,11 @@ def start_metrics(config: ServerConfig, metrics: RoleMetrics) -> str:
 
 
 async def serve_until_signal(server: Server, role: str, metrics_url: str, grace_s: float,
-                             serving: bool = True) -> None:
+                             serving: bool = True,
+                             also_stop: Callable[[], Awaitable[None]] | None = None) -> None:
     """Starts the server (SERVING at once unless ``serving`` is False: the caller flips it),
-    logs where it listens, waits for SIGINT/SIGTERM, then drains in-flight calls."""
+    logs where it listens, waits for SIGINT/SIGTERM, then drains in-flight calls (and, with
+    ``also_stop()``, another server of the process at the same time)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -69,4 +72,4 @@ async def serve_until_signal(server: Server, role: str, metrics_url: str, grace_
              f", health on {server.health_port}" if server.health_port >= 0 else "")
     await stop.wait()
     log.info("%s stopping (grace %.0f s)", role, grace_s)
-    await server.stop(grace_s)
+    await asyncio.gather(server.stop(grace_s), *([also_stop()] if also_stop else []))

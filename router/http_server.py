@@ -80,20 +80,25 @@ class OpenAIServer:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         return app
 
-    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> int:
+    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None,
+                    shutdown_grace_s: float = 5.0) -> int:
         """Serves on ``host:port`` (0: any free port), over TLS with ``ssl_context``; returns
         the port. A busy port raises OSError (SO_REUSEPORT off: never shared)."""
         # handler_cancellation: a client that disconnects cancels its handler, and with it
         # every choice it was generating.
-        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None,
+                                     shutdown_timeout=shutdown_grace_s)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port, reuse_port=False, ssl_context=ssl_context)
         await site.start()
         return site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
+        """Stops taking connections, lets requests in flight finish for up to the grace given
+        to ``start``, then cancels the rest (which frees their pages)."""
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()   # waits up to the runner's shutdown_timeout
 
     # --- read-only endpoints ---------------------------------------------------------------
 
@@ -131,7 +136,14 @@ class OpenAIServer:
         outcome = "error"
         self.metrics.running.inc()
         try:
-            raw = await http.read()
+            try:
+                raw = await http.read()
+            except web.HTTPRequestEntityTooLarge:
+                outcome = "resource_exhausted"
+                return web.json_response({"error": {
+                    "message": f"request body larger than {self.max_request_bytes} bytes "
+                               "(--max-request-bytes)", "type": "invalid_request_error",
+                    "param": None, "code": "request_too_large"}}, status=413)
             if len(raw) > INLINE_VALIDATION_BYTES:
                 request, jobs = await asyncio.to_thread(self._checked, raw, kind)
             else:

@@ -154,7 +154,8 @@ async def serve(config: RouterConfig) -> None:
                 tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
                 tls.load_cert_chain(config.server.tls_cert_file, config.server.tls_key_file)
             try:
-                port = await http.start(config.server.host, config.http_port, tls)
+                port = await http.start(config.server.host, config.http_port, tls,
+                                        config.server.shutdown_grace_s)
             except OSError as err:
                 raise ConfigError(f"--http-port {config.http_port}: cannot listen on "
                                   f"{config.server.host}:{config.http_port}: "
@@ -163,7 +164,7 @@ async def serve(config: RouterConfig) -> None:
                      "https" if tls else "http", config.server.host, port, served_name(config))
         # Health turns SERVING only once a prefill and a decode worker are healthy.
         await serve_until_signal(server, "router", metrics_url, config.server.shutdown_grace_s,
-                                 serving=False)
+                                 serving=False, also_stop=http.stop if http else None)
     finally:
         if http is not None:
             await http.stop()

@@ -236,3 +236,44 @@ def test_overload_is_429_whole_and_an_error_event_streamed(cluster, client):
         for _chunk in client.completions.create(**kwargs, stream=True):
             pass
     assert cluster.wait_all_pages_free(), cluster.free_pages()
+
+
+def test_a_body_over_the_size_limit_gets_413_as_openai_json(cluster):
+    body = json.dumps({"model": "tiny", "prompt": "x" * (9 << 20)}).encode()   # > 8 MiB
+    request = urllib.request.Request(cluster.http_url + "/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=60)
+    assert caught.value.code == 413
+    assert json.loads(caught.value.read())["error"]["code"] == "request_too_large"
+
+
+def test_a_stream_in_flight_finishes_when_the_router_is_stopped():
+    """SIGTERM: the router stops taking requests and lets the HTTP streams it has finish
+    within its grace, as it does for gRPC calls."""
+    import signal
+    import threading
+
+    from conftest import free_port, start_roles
+
+    port = free_port()
+    cluster = start_roles(["prefill", "decode"],
+                          router_flags=["--http-port", str(port), "--shutdown-grace-s", "20"])
+    try:
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                           max_retries=0, timeout=60) as client:
+            stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=300,
+                                               stream=True, extra_body={"ignore_eos": True})
+            chunks = iter(stream)
+            first = next(chunks)
+            stopper = threading.Timer(0.1, cluster.processes["router"].send_signal,
+                                      [signal.SIGTERM])
+            stopper.start()
+            rest = list(chunks)
+            stopper.join()
+        assert rest[-1].choices[0].finish_reason == "length"
+        assert len(first.choices[0].text.encode()) + sum(
+            len(c.choices[0].text.encode()) for c in rest) > 0
+        assert cluster.processes["router"].wait(30) == 0
+    finally:
+        cluster.stop()
