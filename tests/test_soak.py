@@ -1,6 +1,7 @@
-"""A bounded soak: mixed traffic against `pdserve up --prefill 2 --decode 2` with cancels,
-tight deadlines, bad inputs, a burst of long prompts that outlasts the lease, and a decode and
-a prefill worker killed mid-run (and restarted by `up`). Afterwards every worker is back to
+"""A bounded soak: mixed traffic, gRPC and OpenAI HTTP, against `pdserve up --prefill 2
+--decode 2` with cancels, dropped HTTP streams, tight deadlines, bad inputs, a burst of long
+prompts that outlasts the lease, and a decode and a prefill worker killed mid-run (and
+restarted by `up`). Afterwards every worker is back to
 idle: all pages free, none leaked, no reservation; and no request the server accepted was lost.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import openai
 from conftest import pages_at_rest, start_cluster, stop_cluster
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -104,6 +106,36 @@ def test_soak_leaves_every_worker_idle_and_loses_no_accepted_request(tiny_runner
                 problems.append(f"bad input {fields}: {err.code().name}")
         note("bad")
 
+    def normal_http(i: int, prompt: list[int]) -> None:
+        """Through the OpenAI HTTP API: the same pipeline, the same recoveries."""
+        try:
+            reply = http.completions.create(model="tiny", prompt=prompt, max_tokens=NEW_TOKENS,
+                                            temperature=0.7, top_p=0.9, seed=i,
+                                            extra_body={"ignore_eos": True})
+        except openai.RateLimitError:
+            return note("overloaded")
+        except openai.APIError as err:
+            return problems.append(f"http request {i}: {err}")
+        if (reply.usage.completion_tokens, reply.choices[0].finish_reason) != (NEW_TOKENS,
+                                                                                "length"):
+            problems.append(f"http request {i}: {reply.usage} {reply.choices[0].finish_reason}")
+        note("finished over http")
+
+    def disconnected_http(prompt: list[int], chunks: int) -> None:
+        """A streaming HTTP client that goes away after a few chunks."""
+        try:
+            stream = http.completions.create(model="tiny", prompt=prompt, max_tokens=64,
+                                             stream=True)
+            for n, _chunk in enumerate(stream):
+                if n >= chunks:
+                    break
+            stream.close()
+        except openai.APIError as err:   # overload, answered before or as the first event
+            if not (isinstance(err, openai.RateLimitError) or "no KV pages" in str(err)):
+                problems.append(f"dropped http stream: {err}")
+            return note("overloaded")
+        note("disconnected")
+
     def kill_when_busy(role: str, index: int) -> None:
         """SIGKILL a worker while it holds requests (or after a few seconds regardless)."""
         give_up_at = time.monotonic() + 5
@@ -124,8 +156,14 @@ def test_soak_leaves_every_worker_idle_and_loses_no_accepted_request(tiny_runner
             return lambda: deadline(prompt, rng.uniform(0.05, 0.4))
         if roll < 0.35:
             return lambda: bad(BAD[i % len(BAD)])
+        if roll < 0.45:
+            return lambda: normal_http(i, prompt)
+        if roll < 0.5:
+            return lambda: disconnected_http(prompt, rng.randrange(0, 6))
         return lambda: normal(i, prompt)
 
+    http = openai.OpenAI(base_url=cluster.http_url, api_key="unused", max_retries=0,
+                         timeout=120)
     try:
         jobs = [job(i) for i in range(REQUESTS)]
         with ThreadPoolExecutor(IN_FLIGHT) as pool:
@@ -156,4 +194,5 @@ def test_soak_leaves_every_worker_idle_and_loses_no_accepted_request(tiny_runner
         # The router counted no failure that no client saw.
         assert _router_outcomes(cluster).get("error", 0) == 0, _router_outcomes(cluster)
     finally:
+        http.close()
         assert stop_cluster(cluster) == 0
