@@ -122,8 +122,8 @@ class ClusterPlan:
         source = ModelSource(**{f.name: getattr(self.engine, f.name)
                                 for f in dataclasses.fields(ModelSource)})
         return to_argv(self.router, skip=ROUTER_SET_BY_LAUNCHER) + to_argv(source) + [
-            "--model", self.engine.model, "--prefill-addrs", ",".join(prefill_addrs),
-            "--decode-addrs", ",".join(decode_addrs), "--http-port", str(http_port)]
+            "--prefill-addrs", ",".join(prefill_addrs), "--decode-addrs", ",".join(decode_addrs),
+            "--http-port", str(http_port)]
 
 
 def _same_gpu(a: str, b: str) -> bool:
