@@ -18,11 +18,12 @@ import grpc
 from pdserve.config import RouterConfig
 from pdserve.errors import NoHealthyWorker, PdserveError, UpstreamError
 from pdserve.metrics import RouterMetrics
+from pdserve.models.config import ModelConfig
 from pdserve.tokenizer import Tokenizer
 from router.decode_stream import StreamError
 from router.output import Chunk, OutputAssembler
 from router.pair import PairAttempt, upstream
-from router.validation import GenerationJob
+from router.validation import GenerateInput, GenerationJob, validate
 from router.workers import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
@@ -61,13 +62,20 @@ class RetryElsewhere(Exception):
 class Generation:
     """Runs checked jobs on the workers; one per router, shared by every front."""
 
-    def __init__(self, config: RouterConfig, tokenizer: Tokenizer, workers: WorkerPool,
-                 metrics: RouterMetrics) -> None:
+    def __init__(self, config: RouterConfig, model: ModelConfig, tokenizer: Tokenizer,
+                 workers: WorkerPool, metrics: RouterMetrics) -> None:
         self.config = config
+        self.model = model
         self.tokenizer = tokenizer
         self.workers = workers
         self.metrics = metrics
         self._cleanup: set[asyncio.Task] = set()
+
+    def check(self, request: GenerateInput) -> GenerationJob:
+        """``request`` checked and tokenized under this router's limits (InvalidRequest
+        naming the first wrong field)."""
+        return validate(request, self.model, self.tokenizer, self.config.default_max_new_tokens,
+                        self.config.max_stop_strings)
 
     async def run(self, job: GenerationJob, remaining: Remaining,
                   started: float | None = None) -> AsyncIterator[Chunk]:

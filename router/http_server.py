@@ -22,7 +22,6 @@ from aiohttp import web
 
 from pdserve.chat_template import ChatTemplate
 from pdserve.errors import InvalidRequest, PdserveError
-from pdserve.models.config import ModelConfig
 from router.generation import Generation
 from router.openai_protocol import (
     OpenAIRequest,
@@ -34,7 +33,7 @@ from router.openai_protocol import (
     usage,
 )
 from router.output import Chunk
-from router.validation import INLINE_VALIDATION_BYTES, GenerationJob, validate
+from router.validation import INLINE_VALIDATION_BYTES, GenerationJob
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +59,10 @@ def _sse(obj: Any) -> bytes:
 
 
 class OpenAIServer:
-    def __init__(self, generation: Generation, model: ModelConfig, served_model: str,
+    def __init__(self, generation: Generation, served_model: str,
                  template: ChatTemplate | None, max_request_bytes: int) -> None:
         self.generation = generation
-        self.model = model
+        self.model = generation.model
         self.served_model = served_model
         self.template = template
         self.metrics = generation.metrics
@@ -181,12 +180,10 @@ class OpenAIServer:
             request = parse_chat(body, self.served_model, self.template)
         else:
             request = parse_completion(body, self.served_model)
-        config = self.generation.config
         jobs = []
         for index, choice in enumerate(request.choices):
             choice.request_id = f"{request.id}-{index}"
-            jobs.append(validate(choice, self.model, self.generation.tokenizer,
-                                 config.default_max_new_tokens, config.max_stop_strings))
+            jobs.append(self.generation.check(choice))
         return request, jobs
 
     def _prompt_tokens(self, request: OpenAIRequest, jobs: list[GenerationJob]) -> int:

@@ -14,7 +14,6 @@ from pdserve.config import RouterConfig
 from pdserve.errors import ConfigError, PdserveError
 from pdserve.grpc_util import map_errors, parsed, time_remaining
 from pdserve.metrics import RouterMetrics
-from pdserve.models.config import ModelConfig
 from pdserve.models.source import local_model, served_name, source_config
 from pdserve.security import Identity
 from pdserve.serving import make_server, serve_until_signal, start_metrics, worker_id
@@ -27,7 +26,6 @@ from router.validation import (
     INLINE_VALIDATION_BYTES,
     GenerateInput,
     GenerationJob,
-    validate,
 )
 from router.workers import WorkerPool
 
@@ -38,22 +36,19 @@ FINISH = {None: generate_pb2.FINISH_REASON_UNSPECIFIED, "length": generate_pb2.F
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
-    def __init__(self, generation: Generation, model: ModelConfig) -> None:
+    def __init__(self, generation: Generation) -> None:
         self.generation = generation
-        self.config = generation.config
-        self.model = model
-        self.tokenizer = generation.tokenizer
-        self.workers = generation.workers
         self.metrics = generation.metrics
 
     @map_errors
     async def GetModelInfo(self, request: generate_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> generate_pb2.GetModelInfoResponse:
         return generate_pb2.GetModelInfoResponse(
-            model=served_name(self.config), vocab_size=self.model.vocab_size,
-            max_model_len=self.model.max_model_len,
-            prefill_workers=len(self.workers.healthy("prefill")),
-            decode_workers=len(self.workers.healthy("decode")))
+            model=served_name(self.generation.config),
+            vocab_size=self.generation.model.vocab_size,
+            max_model_len=self.generation.model.max_model_len,
+            prefill_workers=len(self.generation.workers.healthy("prefill")),
+            decode_workers=len(self.generation.workers.healthy("decode")))
 
     async def Generate(self, request: generate_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateResponse]:
@@ -97,11 +92,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
     async def _validate(self, request: generate_pb2.GenerateRequest) -> GenerationJob:
         """The checked job; a large request is tokenized and checked on a thread, so the event
         loop keeps serving everyone else meanwhile."""
-        args = (GenerateInput.from_proto(request), self.model, self.tokenizer,
-                self.config.default_max_new_tokens, self.config.max_stop_strings)
+        raw = GenerateInput.from_proto(request)
         if request.ByteSize() > INLINE_VALIDATION_BYTES:
-            return await asyncio.to_thread(validate, *args)
-        return validate(*args)
+            return await asyncio.to_thread(self.generation.check, raw)
+        return self.generation.check(raw)
 
     def _response(self, job: GenerationJob, chunk: Chunk) -> generate_pb2.GenerateResponse:
         response = generate_pb2.GenerateResponse(request_id=job.request_id, token_ids=chunk.token_ids,
@@ -128,8 +122,8 @@ async def serve(config: RouterConfig) -> None:
                          config.health_interval_s, metrics, config.discovery_interval_s,
                          identity=identity, policy=config.router_policy,
                          max_imbalance_tokens=config.cache_aware_max_imbalance_tokens)
-    generation = Generation(config, tokenizer, workers, metrics)
-    servicer = GenerationServicer(generation, model)
+    generation = Generation(config, model, tokenizer, workers, metrics)
+    servicer = GenerationServicer(generation)
     server.add(generate_pb2_grpc.add_GenerationServiceServicer_to_server, servicer,
                [generate_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name])
     metrics_url = start_metrics(config.server, metrics)
@@ -147,7 +141,7 @@ async def serve(config: RouterConfig) -> None:
     http = None
     try:
         if config.http_port >= 0:
-            http = OpenAIServer(generation, model, served_name(config), template,
+            http = OpenAIServer(generation, served_name(config), template,
                                 config.max_request_bytes)
             tls = None
             if config.server.tls_cert_file:   # the public API over TLS, as the gRPC port
