@@ -24,7 +24,9 @@ from pdserve.chat_template import ChatTemplate
 from pdserve.errors import InvalidRequest, PdserveError
 from router.generation import Generation
 from router.openai_protocol import (
+    ModelNotFound,
     OpenAIRequest,
+    check_model,
     choice_body,
     error_body,
     parse_chat,
@@ -115,11 +117,11 @@ class OpenAIServer:
         return web.json_response({"object": "list", "data": [self._model_card()]})
 
     async def model_info(self, request: web.Request) -> web.Response:
-        if request.match_info["model"] != self.served_model:
-            return web.json_response({"error": {
-                "message": f"the model '{request.match_info['model']}' does not exist",
-                "type": "not_found_error", "param": None, "code": "model_not_found"}},
-                status=404)
+        try:
+            check_model(request.match_info["model"], self.served_model)
+        except ModelNotFound as err:
+            status, body = error_body(err)
+            return web.json_response(body, status=status)
         return web.json_response(self._model_card())
 
     # --- generation -------------------------------------------------------------------------

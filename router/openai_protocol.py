@@ -50,7 +50,7 @@ class OpenAIRequest:
     prompt_count: int
     stream: bool
     include_usage: bool
-    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    id: str                            # cmpl-... or chatcmpl-...
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -268,7 +268,11 @@ def parse_chat(body: Any, served_model: str, template: ChatTemplate | None) -> O
 
 
 def _model(body: dict[str, Any], served_model: str) -> str:
-    model = _typed(body, "model", str, served_model)
+    return check_model(_typed(body, "model", str, served_model), served_model)
+
+
+def check_model(model: str, served_model: str) -> str:
+    """``model`` if this server serves it, else ModelNotFound (404, model_not_found)."""
     if model != served_model:
         raise ModelNotFound(f"the model '{model}' does not exist (this server serves "
                             f"'{served_model}')")

@@ -277,3 +277,10 @@ def test_a_stream_in_flight_finishes_when_the_router_is_stopped():
         assert cluster.processes["router"].wait(30) == 0
     finally:
         cluster.stop()
+
+
+def test_model_info_by_id(client):
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("gpt-4")
+    assert caught.value.body["code"] == "model_not_found"
