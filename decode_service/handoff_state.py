@@ -104,3 +104,5 @@ def transition(state: State, event: Event, unseen_writes_possible: bool) -> Stat
 
 # States a lease runs in: the request is not decoding yet, and its router or prefill may be gone.
 LEASED = frozenset({S.RESERVED, S.WRITING, S.COMMITTED_PENDING, S.LANDED})
+# States in which a prefill worker is still computing the prompt's KV (or copying it in).
+PREFILLING = frozenset({S.RESERVED, S.WRITING, S.COMMITTED_PENDING})

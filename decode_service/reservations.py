@@ -11,10 +11,12 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from decode_service.handoff_state import (
     LEASED,
+    PREFILLING,
     Event,
     IllegalTransition,
     State,
@@ -53,6 +55,10 @@ class ReservationTable:
         self._waiters: deque[asyncio.Future] = deque()
         self.held_pages = 0                              # pages our reservations hold
         self._num_fenced = 0                             # of _by_id, those FENCED
+        # Read by the decode loop's thread (plain values: one atomic read each).
+        self.num_prefilling = 0        # of _by_id, those whose prompt prefill is still computing
+        self.prefill_progress_at = 0.0  # monotonic: last time one joined or left that set
+        self.on_prefill_idle: Callable[[], None] | None = None   # called as that set empties
 
     def __len__(self) -> int:
         """Reservations not fenced (what a client would call open)."""
@@ -92,6 +98,7 @@ class ReservationTable:
         res = Reservation(request_id, prompt_len, max_new_tokens, allocator.alloc(needed),
                           prompt_pages=self.pool.pages_for(prompt_len))
         self._by_id[request_id] = res
+        self._count_prefilling(+1)
         self._start_timer(res, self.lease_timeout_s, Event.LEASE_EXPIRED)
         self._wake_next()
         self._publish()
@@ -198,6 +205,8 @@ class ReservationTable:
         if res.state is before:
             return
         self._num_fenced += (res.state is State.FENCED) - (before is State.FENCED)
+        if (res.state in PREFILLING) != (before in PREFILLING):
+            self._count_prefilling(1 if res.state in PREFILLING else -1)
         if res.landed is not None and not res.landed.done():
             if res.state is State.LANDED:
                 res.landed.set_result(None)
@@ -221,6 +230,12 @@ class ReservationTable:
             self.pool.allocator.free(res.pages)
             self._wake_next()
         self._publish()
+
+    def _count_prefilling(self, change: int) -> None:
+        self.num_prefilling += change
+        self.prefill_progress_at = time.monotonic()
+        if not self.num_prefilling and self.on_prefill_idle is not None:
+            self.on_prefill_idle()
 
     def _publish(self) -> None:
         if self.metrics:

@@ -12,6 +12,13 @@ The loop runs on a thread of its own, so neither gRPC's work nor the event loop'
 between two steps. It shares nothing mutable with the event loop: requests and cancels come in
 through a queue, and once per step one callback hands the event loop the step's tokens (for the
 streams' outboxes) and the requests whose pages may be freed (reservations are the event loop's).
+
+On a GPU it shares with a prefill worker (``yield_to_prefill_s`` > 0) the loop lets prefill go
+first, as a one-process engine schedules a waiting prompt before the next decode step: while
+prompts reserved here are still being prefilled, and prefill keeps making progress on them, it
+waits up to ``yield_to_prefill_s`` between steps instead of time-sharing the GPU with every
+prefill step. Decode steps taken at a small batch while a burst is prefilled cost nearly a full
+step each and slow the prefill that would fill the batch; yielding lets the burst land first.
 """
 from __future__ import annotations
 
@@ -87,16 +94,22 @@ class StepOutput:
 
 
 _STOP = object()
+_WAKE = object()
+PREFILL_STALL_S = 1.0   # prefill progress older than this no longer holds decode steps back
 
 
 class DecodeLoop:
     def __init__(self, steps: DecodeSteps, table: ReservationTable, max_running: int,
-                 metrics: DecodeMetrics, overlap: bool = True) -> None:
+                 metrics: DecodeMetrics, overlap: bool = True,
+                 yield_to_prefill_s: float = 0.0) -> None:
         self.steps = steps
         self.table = table
         self.max_running = min(max_running, steps.slots.max_slots)
         self.metrics = metrics
         self.overlap = overlap
+        self.yield_to_prefill_s = yield_to_prefill_s
+        if yield_to_prefill_s > 0:   # the last prompt prefilled ends a wait at once
+            table.on_prefill_idle = lambda: self._commands.put(_WAKE)
         # The event loop's side.
         self._held: dict[str, DecodeRequest] = {}    # every request whose pages the loop holds
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -111,6 +124,7 @@ class DecodeLoop:
         self._launched_steps = 0
         self._collected_steps = 0
         self._last_collected_at = 0.0
+        self._last_launched_at = 0.0
         self._output = StepOutput()
         self._thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
 
@@ -188,14 +202,23 @@ class DecodeLoop:
         in_flight: InFlight | None = None
         while True:
             idle = in_flight is None and not self._running and not self._waiting
-            if not self._take_commands(block=idle):
+            yield_s = 0.0 if idle or in_flight is not None else self._yield_left()
+            if yield_s > 0:
+                waited_from = time.perf_counter()
+                if not self._take_commands(block=True, timeout=yield_s):
+                    return
+                self.metrics.yielded.inc(time.perf_counter() - waited_from)
+            elif not self._take_commands(block=idle):
                 return
             self._admit()
-            plan, batch = self._plan()
+            # Yielding, the step in flight is still collected (its tokens go out); none follows.
+            plan, batch = (None, []) if self._yield_left() > 0 else self._plan()
             if plan is None and in_flight is None:
                 self._hand_over()
                 continue
             launched_at = time.perf_counter()
+            if plan is not None:
+                self._last_launched_at = time.monotonic()
             previous = in_flight.launched if (self.overlap and in_flight) else None
             try:
                 launched = self.steps.launch(plan) if plan is not None else None
@@ -218,16 +241,30 @@ class DecodeLoop:
                 self._process(finished, tokens)
             self._hand_over()
 
-    def _take_commands(self, block: bool) -> bool:
+    def _yield_left(self) -> float:
+        """How much longer the next step waits for prefill (0: launch it now): up to
+        ``yield_to_prefill_s`` since the last step, while prompts reserved here are being
+        prefilled and one joined or left that set within PREFILL_STALL_S. A prefill that makes
+        no progress (a reservation whose router went away, a prompt queued elsewhere) stops
+        holding decode back."""
+        if self.yield_to_prefill_s <= 0 or not self.table.num_prefilling:
+            return 0.0
+        now = time.monotonic()
+        stalls_in = PREFILL_STALL_S - (now - self.table.prefill_progress_at)
+        return max(0.0, min(stalls_in, self.yield_to_prefill_s - (now - self._last_launched_at)))
+
+    def _take_commands(self, block: bool, timeout: float | None = None) -> bool:
         """New requests and cancels; False once the loop must stop."""
         while True:
             try:
-                command = self._commands.get(block=block)
+                command = self._commands.get(block=block, timeout=timeout)
             except queue.Empty:
                 return True
             block = False
             if command is _STOP:
                 return False
+            if command is _WAKE:
+                continue
             if isinstance(command, DecodeRequest):
                 reason = command.finish_reason()
                 if reason is not None:   # prefill's token already ended it

@@ -118,6 +118,11 @@ class DecodeConfig:
     overlap_scheduling: bool = setting(True, "prepare and launch decode step n+1 while step n "
                                        "runs on the GPU (the host learns a step's tokens one "
                                        "step late)")
+    yield_to_prefill_ms: float = setting(
+        -1.0, "on a GPU shared with a prefill worker, hold the next decode step back up to this "
+        "long while prompts reserved here are being prefilled, so prefill runs first (as one "
+        "process schedules a waiting prompt before a decode step); 0: never; -1 (auto): 100 "
+        "where `pdserve up` puts a prefill worker on this GPU, else 0")
     max_queued_reservations: int = setting(1024, "reservations waiting for pages before "
                                            "RESOURCE_EXHAUSTED")
     reserve_wait_s: float = setting(10.0, "how long a reservation waits for free KV pages "

@@ -43,7 +43,8 @@ ROUTER_SET_BY_LAUNCHER = ("model", "revision", "served_model_name", "max_model_l
                           "prefill_addrs", "decode_addrs", "prefill_discovery",
                           "decode_discovery")
 # How `up` splits --gpu-memory-utilization between the workers that share a GPU.
-MEMORY_SHARE = {"prefill": 0.3, "decode": 0.7}
+MEMORY_SHARE = {"prefill": 0.25, "decode": 0.75}
+YIELD_TO_PREFILL_MS = 100.0   # decode's --yield-to-prefill-ms where a prefill worker shares its GPU
 
 
 @dataclass
@@ -115,6 +116,9 @@ class ClusterPlan:
             utilization = round(utilization * MEMORY_SHARE[role] / weights, 4)
         engine = dataclasses.replace(self.engine, device=device,
                                      gpu_memory_utilization=utilization)
+        if role == "decode" and config.yield_to_prefill_ms < 0:
+            config = dataclasses.replace(config, yield_to_prefill_ms=(
+                YIELD_TO_PREFILL_MS if "prefill" in sharing else 0.0))
         return to_argv(engine) + to_argv(config)
 
     def router_argv(self, prefill_addrs: list[str], decode_addrs: list[str],

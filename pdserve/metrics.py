@@ -192,6 +192,9 @@ class DecodeMetrics(WorkerMetrics):
                                          "KV reservations held (waiting for KV or decoding)")
         self.reservations_expired = self._metric(Counter, "pdserve_reservations_expired_total",
                                                  "Reservations freed by their lease timeout")
+        self.yielded = self._metric(Counter, "pdserve_decode_yielded_seconds_total",
+                                    "Time the decode loop held its next step back while a prefill "
+                                    "worker sharing its GPU computed prompts reserved here")
         self.steps.labels("eager")
 
 

@@ -79,7 +79,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
 
 async def serve(config: PrefillConfig) -> None:
     identity = Identity.from_config(config.server)
-    runner = ModelRunner(config.engine, "prefill")
+    runner = ModelRunner(config.engine, "prefill", config.chunk_size)
     server = make_server(config.server, identity)
     worker = worker_id(config.server, "prefill", server.port)
     metrics = PrefillMetrics(worker, served_name(config.engine))

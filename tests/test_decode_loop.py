@@ -92,3 +92,70 @@ def test_stop_id_ends_a_request_early_with_overlap(tiny_runner):
     outputs, _, table = asyncio.run(_decode_all(tiny_runner, [(prompt, params)], overlap=True))
     assert outputs["r0"] == reference[:reference.index(stop) + 1]
     assert table.held_pages == 0
+
+
+async def _decode_beside_a_prefill(runner, commit_after_s: float | None) -> tuple[int, int, float]:
+    """r0 decodes 30 tokens while r1's prompt is still being prefilled (reserved, not
+    committed) and the loop yields to prefill for up to 1000 s a step. ``commit_after_s``: r1's
+    prefill commits then (None: it never does). Returns (r0's tokens seen before the commit,
+    r0's tokens in all, seconds yielded)."""
+    table = ReservationTable(runner.pool, 64, 5.0, 60.0, unseen_writes_possible=False)
+    metrics = DecodeMetrics("test")
+    loop = DecodeLoop(DecodeSteps(runner, MAX_RUNNING), table, MAX_RUNNING, metrics,
+                      yield_to_prefill_s=1000.0)
+    task = asyncio.create_task(loop.run())
+    outbox = Outbox()
+    params = SamplingParams(max_new_tokens=30)
+    prompt = [3, 1, 4, 1, 5]
+    try:
+        res = await table.reserve("r0", len(prompt), params.max_new_tokens)
+        first = runner.step([SeqInput(prompt, 0, res.pages[:res.prompt_pages])],
+                            [sample_row(params, prompt, [])]).tokens[0]
+        table.on_commit("r0", len(prompt), writes_pending=False)
+        await table.start_decoding("r0")
+        await table.reserve("r1", 40, 8)     # its prefill is computing
+        assert table.num_prefilling == 1
+        loop.add(DecodeRequest("r0", res, params, prompt, [first], outbox))
+        tokens, before_commit, done = [first], None, False
+        deadline = None if commit_after_s is None else asyncio.get_running_loop().time() + commit_after_s
+        while not done:
+            timeout = 60 if deadline is None else max(0.0, deadline - asyncio.get_running_loop().time())
+            try:
+                request_ids, token_ids, finals = await asyncio.wait_for(outbox.take(), timeout)
+            except asyncio.TimeoutError:
+                assert deadline is not None, "r0 never finished"
+                before_commit, deadline = len(tokens), None
+                table.on_commit("r1", 40, writes_pending=False)   # r1 landed: prefill is idle
+                continue
+            tokens += token_ids
+            for final in finals:
+                assert final.error is None
+                tokens += final.token_ids
+                done = True
+        assert tokens == local.generate(runner, prompt, params)
+        table.release("r1")
+        for _ in range(100):
+            if table.held_pages == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert table.held_pages == 0 and table.num_prefilling == 0
+    finally:
+        task.cancel()
+    return before_commit, len(tokens), metrics.yielded._value.get()
+
+
+def test_decode_holds_steps_back_while_a_prompt_is_prefilled_on_its_gpu(tiny_runner, monkeypatch):
+    import decode_service.scheduler as scheduler
+    monkeypatch.setattr(scheduler, "PREFILL_STALL_S", 1000.0)
+    before_commit, total, yielded = asyncio.run(_decode_beside_a_prefill(tiny_runner, 0.5))
+    # One step ran, then none while r1 was prefilled; its commit ended the wait at once (the
+    # wait allowed was 1000 s).
+    assert before_commit <= 2 and total == 30
+    assert yielded > 0
+
+
+def test_decode_stops_holding_back_for_a_prefill_that_makes_no_progress(tiny_runner, monkeypatch):
+    import decode_service.scheduler as scheduler
+    monkeypatch.setattr(scheduler, "PREFILL_STALL_S", 0.2)
+    _, total, _ = asyncio.run(_decode_beside_a_prefill(tiny_runner, None))
+    assert total == 30   # r1 never committed; r0 still finished (the wait allowed was 1000 s)

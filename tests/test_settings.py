@@ -61,15 +61,23 @@ def test_up_splits_gpu_memory_between_workers_sharing_a_gpu():
                                       "--served-model-name", "m", "--max-model-len", "1024"])
     plan = ClusterPlan.from_args(args)
 
-    def engine_of(role, index):
-        parsed = build_parser().parse_args([role, *plan.worker_argv(role, index)])
-        return role_config(role, parsed).engine
+    def config_of(role, index):
+        return role_config(role, build_parser().parse_args([role, *plan.worker_argv(role, index)]))
 
-    # cuda:0 holds a prefill and a decode worker: 0.3 and 0.7 of its 0.8; cuda:1 one worker.
-    assert engine_of("prefill", 0).gpu_memory_utilization == pytest.approx(0.24)
-    assert engine_of("decode", 0).gpu_memory_utilization == pytest.approx(0.56)
+    def engine_of(role, index):
+        return config_of(role, index).engine
+
+    # cuda:0 holds a prefill and a decode worker: 0.25 and 0.75 of its 0.8; cuda:1 one worker.
+    assert engine_of("prefill", 0).gpu_memory_utilization == pytest.approx(0.2)
+    assert engine_of("decode", 0).gpu_memory_utilization == pytest.approx(0.6)
     assert engine_of("decode", 1).gpu_memory_utilization == pytest.approx(0.8)
     assert engine_of("decode", 1).served_model_name == "m"
+    # The decode worker sharing cuda:0 with prefill lets prefill's steps go first.
+    assert config_of("decode", 0).yield_to_prefill_ms == 100
+    assert config_of("decode", 1).yield_to_prefill_ms == 0
+    args.yield_to_prefill_ms = 40.0   # given explicitly, it is what every decode worker gets
+    plan = ClusterPlan.from_args(args)
+    assert config_of("decode", 0).yield_to_prefill_ms == config_of("decode", 1).yield_to_prefill_ms == 40
     router = role_config("router", build_parser().parse_args(
         ["router", *plan.router_argv(["a:1"], ["b:2"], 8001)]))
     assert (router.served_model_name, router.max_model_len) == ("m", 1024)

@@ -27,18 +27,20 @@ log = logging.getLogger(__name__)
 CPU_AUTO_KV_GIB = 1.0
 # Held back from the KV pool for a CUDA context, allocator slack and CUDA graphs.
 CUDA_OVERHEAD_BYTES = 1536 << 20
-ACTIVATION_TOKENS = 16384     # the largest prefill step the reserve is sized for
+ACTIVATION_TOKENS = 16384     # the largest step the reserve is sized for when none is given
 
 
-def auto_kv_bytes(device: torch.device, utilization: float, cfg: ModelConfig) -> int:
+def auto_kv_bytes(device: torch.device, utilization: float, cfg: ModelConfig,
+                  step_tokens: int = ACTIVATION_TOKENS) -> int:
     """Bytes for the KV pool under ``--kv-cache-gb auto``: ``utilization`` of the GPU's memory,
-    less what this process holds already (weights), the activations of a large step (a
-    prefill step of ACTIVATION_TOKENS tokens; decode logits of 256 rows) and CUDA_OVERHEAD_BYTES.
-    Other processes on the GPU are given their own share by `pdserve up`."""
+    less what this process holds already (weights), the activations of its largest step
+    (``step_tokens`` rows: prefill's chunk size, decode's largest batch; logits of 256 rows)
+    and CUDA_OVERHEAD_BYTES. Other processes on the GPU are given their own share by
+    `pdserve up`."""
     torch.cuda.empty_cache()   # what loading the weights reserved and no longer uses
     _free, total = torch.cuda.mem_get_info(device)
     held = torch.cuda.memory_allocated(device)
-    activations = (ACTIVATION_TOKENS * (2 * cfg.intermediate_size + 6 * cfg.hidden_size) * 2
+    activations = (step_tokens * (2 * cfg.intermediate_size + 6 * cfg.hidden_size) * 2
                    + 3 * 256 * cfg.vocab_size * 4)
     budget = int(utilization * total) - held - activations - CUDA_OVERHEAD_BYTES
     if budget <= 0:
@@ -68,7 +70,10 @@ class StepResult:
 class ModelRunner:
     """Owns the model, the KV pool and the attention backend of one worker."""
 
-    def __init__(self, config: EngineConfig, role: str) -> None:
+    def __init__(self, config: EngineConfig, role: str,
+                 step_tokens: int = ACTIVATION_TOKENS) -> None:
+        """``step_tokens``: the most tokens one step computes (sizes the activation reserve
+        that an automatic KV pool leaves free)."""
         if config.torch_threads > 0:
             torch.set_num_threads(config.torch_threads)
         self.device = resolve_device(config.device)
@@ -85,7 +90,7 @@ class ModelRunner:
             model=self.model_config.name, dtype=str(dtype).removeprefix("torch."),
             page_size=config.page_size, num_layers=self.model_config.num_layers,
             num_kv_heads=self.model_config.num_kv_heads, head_dim=self.model_config.head_dim)
-        num_pages = config.num_pages or self._pages_for_budget(config, dtype)
+        num_pages = config.num_pages or self._pages_for_budget(config, dtype, step_tokens)
         try:
             self.pool = KVPool(self.layout, num_pages, dtype, self.device)
         except torch.OutOfMemoryError as err:   # another process holds part of the GPU
@@ -114,7 +119,8 @@ class ModelRunner:
                      self.backend_name)
         return supported
 
-    def _pages_for_budget(self, config: EngineConfig, dtype: torch.dtype) -> int:
+    def _pages_for_budget(self, config: EngineConfig, dtype: torch.dtype,
+                          step_tokens: int) -> int:
         cfg = self.model_config
         bytes_per_page = (cfg.num_layers * 2 * self.layout.page_size * cfg.num_kv_heads
                           * cfg.head_dim * torch.empty((), dtype=dtype).element_size())
@@ -123,7 +129,8 @@ class ModelRunner:
             if self.device.type != "cuda":
                 gib = CPU_AUTO_KV_GIB
             else:
-                budget = auto_kv_bytes(self.device, config.gpu_memory_utilization, cfg)
+                budget = auto_kv_bytes(self.device, config.gpu_memory_utilization, cfg,
+                                       step_tokens)
                 gib = budget / (1 << 30)
         pages = max(2, int(gib * (1 << 30)) // bytes_per_page)
         log.info("KV pool: %d pages of %d tokens = %d tokens (%.2f GiB%s)", pages,
