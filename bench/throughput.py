@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -44,7 +45,7 @@ def workload(num_seqs: int, max_input: int, max_output: int) -> tuple[list[list[
 
 
 async def _run_requests(router: str, jobs: list[tuple[list[int], int]], temperature: float,
-                        start_at: float) -> list[dict]:
+                        start: Callable[[], float]) -> list[dict]:
     import grpc
 
     from protos.pdserve.v1 import generate_pb2, generate_pb2_grpc
@@ -69,12 +70,12 @@ async def _run_requests(router: str, jobs: list[tuple[list[int], int]], temperat
             end = time.time()
             return {"start": started, "first": first or end, "end": end, "tokens": tokens}
 
-        await asyncio.sleep(max(0.0, start_at - time.time()))
+        await asyncio.get_running_loop().run_in_executor(None, start)   # all at once
         return await asyncio.gather(*(one(i, p, n) for i, p, n in jobs))
 
 
 async def _run_http_requests(base_url: str, jobs: list[tuple[list[int], int]],
-                             temperature: float, start_at: float) -> list[dict]:
+                             temperature: float, start: Callable[[], float]) -> list[dict]:
     """The same requests through /v1/completions, streamed as server-sent events; tokens are
     counted from the usage of the last event."""
     import aiohttp
@@ -105,27 +106,43 @@ async def _run_http_requests(base_url: str, jobs: list[tuple[list[int], int]],
             end = time.time()
             return {"start": started, "first": first or end, "end": end, "tokens": tokens}
 
-        await asyncio.sleep(max(0.0, start_at - time.time()))
+        await asyncio.get_running_loop().run_in_executor(None, start)   # all at once
         return await asyncio.gather(*(one(i, p, n) for i, p, n in jobs))
 
 
-def _client(args: tuple) -> list[dict]:
-    router, jobs, temperature, start_at = args
+def _client(router: str, jobs: list, temperature: float, ready, results) -> None:
+    """One client process: connects, waits at ``ready`` until every client has connected (a
+    spawned process takes seconds to import its modules), then sends all its requests at once."""
+    def start() -> float:
+        ready.wait()
+        return time.time()
+
     if router.startswith("http"):
-        return asyncio.run(_run_http_requests(router, jobs, temperature, start_at))
-    return asyncio.run(_run_requests(router, jobs, temperature, start_at))
+        part = asyncio.run(_run_http_requests(router, jobs, temperature, start))
+    else:
+        part = asyncio.run(_run_requests(router, jobs, temperature, start))
+    results.put(part)
 
 
 def run_clients(router: str, prompts: list[list[int]], outputs: list[int], temperature: float,
                 processes: int) -> tuple[list[dict], float]:
-    """``router``: a gRPC address, or the HTTP API's base URL (http://host:port/v1)."""
+    """``router``: a gRPC address, or the HTTP API's base URL (http://host:port/v1). The wall
+    time runs from the moment every client is connected and released to the last token."""
     jobs = [(i, p, n) for i, (p, n) in enumerate(zip(prompts, outputs))]
     shares = [jobs[k::processes] for k in range(processes)]
-    start_at = time.time() + 3.0   # every client connected and waiting: all submitted at once
-    with multiprocessing.get_context("spawn").Pool(processes) as pool:
-        parts = pool.map(_client, [(router, share, temperature, start_at) for share in shares])
-    results = [r for part in parts for r in part]
-    return results, max(r["end"] for r in results) - start_at
+    ctx = multiprocessing.get_context("spawn")
+    ready, results = ctx.Barrier(processes + 1), ctx.Queue()
+    clients = [ctx.Process(target=_client, args=(router, share, temperature, ready, results))
+               for share in shares]
+    for client in clients:
+        client.start()
+    ready.wait(timeout=300)
+    started = time.time()
+    parts = [results.get(timeout=3600) for _ in clients]
+    for client in clients:
+        client.join()
+    rows = [r for part in parts for r in part]
+    return rows, max(r["end"] for r in rows) - started
 
 
 def model_vocab(router: str) -> int:
@@ -143,7 +160,8 @@ def scrape(metrics_address: str) -> dict[str, float]:
     text = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10).read().decode()
     wanted = {"pdserve_decode_steps_total", "pdserve_step_duration_seconds_sum",
               "pdserve_step_duration_seconds_count", "pdserve_decode_batch_size_sum",
-              "pdserve_decode_batch_size_count", "pdserve_generated_tokens_total"}
+              "pdserve_decode_batch_size_count", "pdserve_generated_tokens_total",
+              "pdserve_decode_yielded_seconds_total"}
     values = dict.fromkeys(wanted, 0.0)
     for line in text.splitlines():
         match = re.match(r"([a-z_]+)(\{[^}]*\})? ([0-9.e+-]+)$", line)
@@ -207,6 +225,7 @@ def main() -> None:
             run_clients(target, warm or [prompts[0][:16]], [64] * len(warm) or [4],
                         args.temperature, min(args.clients, max(len(warm), 1)))
             before = scrape(decode_metrics) if decode_metrics else None
+            print(f"measuring {api}", file=sys.stderr, flush=True)
             results, wall_s = run_clients(target, prompts, outputs, args.temperature,
                                           args.clients)
             after = scrape(decode_metrics) if decode_metrics else None
@@ -244,6 +263,7 @@ def _row(args: argparse.Namespace, api: str, results: list[dict], wall_s: float,
             "steps": int(delta["pdserve_decode_steps_total"]),
             "step_ms_mean": round(delta["pdserve_step_duration_seconds_sum"] / steps * 1e3, 2),
             "busy_s": round(delta["pdserve_step_duration_seconds_sum"], 2),
+            "yielded_to_prefill_s": round(delta["pdserve_decode_yielded_seconds_total"], 2),
             "batch_mean": round(delta["pdserve_decode_batch_size_sum"]
                                 / (delta["pdserve_decode_batch_size_count"] or 1), 1),
         }
