@@ -383,7 +383,7 @@ def test_kv_cache_auto_splits_one_gpu_between_the_roles():
         decode_gib = decode.total_pages * bytes_per_page / 2**30
         print(f"auto KV: prefill {prefill_gib:.1f} GiB, decode {decode_gib:.1f} GiB of "
               f"{total / 2**30:.0f} GiB; free after start {free / 2**30:.1f} GiB")
-        assert 2.0 < decode_gib / prefill_gib < 3.0     # 0.35 vs 0.15 of the GPU, less overheads
+        assert 2.9 < decode_gib / prefill_gib < 3.7     # 0.375 vs 0.125 of the GPU, less overheads
         assert prefill_gib + decode_gib < 0.5 * total / 2**30
         assert free > 0.4 * total
         _assert_greedy_like(cluster, ModelRunner(EngineConfig(
