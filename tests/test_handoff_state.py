@@ -165,3 +165,38 @@ def test_decode_before_any_commit_is_refused():
         with pytest.raises(InvalidRequest, match="cannot decode a reservation that is reserved"):
             await table.start_decoding("k")
     _run(scenario)
+
+
+def test_the_table_counts_prompts_being_prefilled_and_says_when_none_are():
+    """Decode yields to prefill while this count is nonzero: every way out of the prefilling
+    states (committed, landed, released, abandoned, expired) takes a reservation off it."""
+    async def scenario():
+        table = _table(lease_s=0.15)
+        emptied = []
+        table.on_prefill_idle = lambda: emptied.append(table.num_prefilling)
+        await table.reserve("a", 8, 4)
+        await table.reserve("b", 8, 4)
+        assert table.num_prefilling == 2
+        table.on_commit("a", 8, writes_pending=False)       # landed: prefill is done with it
+        table.on_commit("b", 8, writes_pending=True)        # its last copies still in flight
+        assert table.num_prefilling == 1 and not emptied
+        table.on_writes_landed("b")
+        assert table.num_prefilling == 0 and emptied == [0]
+        await table.start_decoding("a")
+        table.release("a")
+        table.release("b")
+        await table.reserve("c", 8, 4)
+        table.release("c")                                  # fenced: no longer prefilled
+        await table.reserve("d", 8, 4)
+        table.on_writes_abandoned("d")
+        await table.reserve("e", 8, 4)
+        assert table.num_prefilling == 1
+        await asyncio.sleep(0.3)                            # its lease runs out
+        assert table.num_prefilling == 0 and emptied == [0] * 4
+        two_sided = _table(one_sided=False)
+        await two_sided.reserve("f", 8, 4)
+        two_sided.on_write("f", two_sided.get("f").pages[:1])
+        assert two_sided.num_prefilling == 1                # writing through us
+        two_sided.release("f")
+        assert two_sided.num_prefilling == 0
+    _run(scenario)
