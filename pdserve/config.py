@@ -149,6 +149,9 @@ class RouterConfig(ModelSource):
     chat_template: str = setting("", "Jinja chat template file for /v1/chat/completions "
                                  "(default: the model folder's tokenizer_config.json "
                                  "chat_template or chat_template.jinja)")
+    share_port: bool = setting(False, "listen on --port and --http-port together with other "
+                               "router processes (SO_REUSEPORT: the kernel spreads client "
+                               "connections among them); `pdserve up --routers N` sets it")
     log_requests: bool = setting(False, "log one line per finished request (id, tokens, finish "
                                  "reason, time to first token, duration)")
     prefill_addrs: list[str] = setting([], "static prefill workers: host:port,...",
@@ -187,6 +190,9 @@ class LauncherConfig:
                              "port, -1: none)")
     prefill: int = setting(1, "prefill workers")
     decode: int = setting(1, "decode workers")
+    routers: int = setting(1, "router processes, sharing the public ports: one Python process "
+                           "relays every streamed message of its clients, and at a few "
+                           "thousand tokens per second per stream set it saturates a core")
     no_metrics: bool = setting(False, "start no metrics exporters")
     ready_timeout_s: float = setting(600.0, "how long the cluster may take to become ready")
     max_restarts: int = setting(5, "times one process that dies is started again within 10 "

@@ -81,7 +81,7 @@ class Server:
 
     def __init__(self, host: str, port: int, identity: Identity | None = None,
                  internal: bool = True, health_port: int = -1,
-                 max_receive_bytes: int = MAX_MESSAGE_BYTES) -> None:
+                 max_receive_bytes: int = MAX_MESSAGE_BYTES, share_port: bool = False) -> None:
         identity = identity or Identity()
         # A request larger than ``max_receive_bytes`` is refused (RESOURCE_EXHAUSTED) by gRPC
         # itself, before it is parsed.
@@ -90,8 +90,9 @@ class Server:
             options=[*(o for o in CHANNEL_OPTIONS if o[0] != "grpc.max_receive_message_length"),
                      ("grpc.max_receive_message_length", max_receive_bytes),
                      # A busy port is an error, not a port shared with another process (grpc
-                     # sets SO_REUSEPORT by default: a second server would take half the calls).
-                     ("grpc.so_reuseport", 0)])
+                     # sets SO_REUSEPORT by default: a second server would take half the calls),
+                     # unless this process is one of several routers sharing it on purpose.
+                     ("grpc.so_reuseport", int(share_port))])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         self._service_names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]

@@ -41,7 +41,7 @@ RESTART_WINDOW_S = 600.0
 # Router settings `up` sets itself.
 ROUTER_SET_BY_LAUNCHER = ("model", "revision", "served_model_name", "max_model_len", "http_port",
                           "prefill_addrs", "decode_addrs", "prefill_discovery",
-                          "decode_discovery")
+                          "decode_discovery", "share_port")
 # How `up` splits --gpu-memory-utilization between the workers that share a GPU.
 MEMORY_SHARE = {"prefill": 0.25, "decode": 0.75}
 YIELD_TO_PREFILL_MS = 100.0   # decode's --yield-to-prefill-ms where a prefill worker shares its GPU
@@ -86,6 +86,8 @@ class ClusterPlan:
         )
 
         launcher = self.launcher
+        if launcher.routers < 1:
+            raise ConfigError(f"--routers {launcher.routers}: at least one router is needed")
         check_engine(self.engine)
         for role, index in self._workers():
             check_device(self.device_of(role, index))
@@ -147,6 +149,7 @@ class Child:
     command: list[str]
     process: subprocess.Popen
     restarted_at: list[float] = field(default_factory=list)
+    health_address: str = ""   # its own plaintext health port, where routers share --port
 
     def restart(self) -> None:
         self.restarted_at.append(time.monotonic())
@@ -182,20 +185,25 @@ def _die_with_parent() -> None:
 
 
 def _start(role: str, host: str, port: int, metrics: PortPicker | None, extra: list[str],
-           launcher: LauncherConfig, secrets: ClusterSecrets) -> Child:
+           launcher: LauncherConfig, secrets: ClusterSecrets, health_port: int = -1) -> Child:
     metrics_port = metrics() if metrics else -1
+    if health_port >= 0:
+        extra = [*extra, "--health-port", str(health_port)]
     cmd = [sys.executable, "-m", "pdserve", role, "--host", host, "--port", str(port),
            "--metrics-port", str(metrics_port), "--log-level", launcher.log_level,
            "--stats-interval-s", str(launcher.stats_interval_s),
            *secrets.server_flags(), *extra]
     process = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
     url = f"http://{host}:{metrics_port}/metrics" if metrics else "-"
-    return Child(role, f"{host}:{port}", url, cmd, process)
+    return Child(role, f"{host}:{port}", url, cmd, process,
+                 health_address=f"{host}:{health_port}" if health_port >= 0 else "")
 
 
 def _wait_serving(child: Child, deadline: float, stopping: list[bool],
                   secrets: ClusterSecrets) -> None:
-    if secrets.ca_file:
+    if child.health_address:   # routers sharing a port: each answers on its own health port
+        channel = grpc.insecure_channel(child.health_address)
+    elif secrets.ca_file:
         credentials = grpc.ssl_channel_credentials(
             *(Path(f).read_bytes() for f in (secrets.ca_file, secrets.key_file, secrets.cert_file)))
         channel = grpc.secure_channel(child.address, credentials)
@@ -318,21 +326,34 @@ def run_cluster(plan: ClusterPlan) -> int:
         http_port = ports() if launcher.http_port == 0 else launcher.http_port
         extra = plan.router_argv([c.address for c in workers if c.role == "prefill"],
                                  [c.address for c in workers if c.role == "decode"], http_port)
-        router = _start("router", host, launcher.port, metrics, extra, launcher, secrets)
-        children.append(router)
-        _until_ready(router, deadline, stopping, secrets, launcher.max_restarts)
+        routers = []
+        if launcher.routers == 1:
+            routers.append(_start("router", host, launcher.port, metrics, extra, launcher,
+                                  secrets))
+        else:   # one public port (a concrete one: all must bind the same), shared
+            port = launcher.port or ports()
+            for i in range(launcher.routers):
+                routers.append(_start("router", host, port, metrics, [
+                    *extra, "--share-port", "--worker-id",
+                    f"router{i}-{socket.gethostname()}-{port}"], launcher, secrets,
+                    health_port=ports()))
+        children.extend(routers)
+        for router in routers:
+            _until_ready(router, deadline, stopping, secrets, launcher.max_restarts)
         for child in children:
             scheme = "https" if launcher.tls else "http"
             http = f"  http={scheme}://{host}:{http_port}/v1" \
-                if child is router and http_port >= 0 else ""
+                if child in routers and http_port >= 0 else ""
             print(f"{child.role:<8} grpc={child.address}  metrics={child.metrics_url}  "
                   f"pid={child.process.pid}{http}", flush=True)
         if secrets.ca_file:
             print(f"pdserve: mutual TLS between every process; clients trust {secrets.ca_file}",
                   flush=True)
-        print(f"pdserve ready: router on {router.address} (model "
+        print(f"pdserve ready: router on {routers[0].address} (model "
               f"{plan.engine.served_model_name or plan.engine.model}, "
-              f"{launcher.prefill} prefill, {launcher.decode} decode)", flush=True)
+              f"{launcher.prefill} prefill, {launcher.decode} decode"
+              f"{f', {launcher.routers} router processes' if launcher.routers > 1 else ''})",
+              flush=True)
         code = _supervise(children, launcher, stopping, secrets)
     except KeyboardInterrupt:
         pass

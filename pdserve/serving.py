@@ -21,13 +21,13 @@ def setup_logging(level: str = "INFO") -> None:
 
 
 def make_server(config: ServerConfig, identity: Identity, internal: bool = True,
-                max_receive_bytes: int = MAX_MESSAGE_BYTES) -> Server:
+                max_receive_bytes: int = MAX_MESSAGE_BYTES, share_port: bool = False) -> Server:
     if internal and not identity.mutual_tls and not identity.token:
         log.warning("internal calls to this worker are not authenticated: give it "
                     "--internal-token-file, or --tls-ca-file with a certificate (`pdserve up` "
                     "makes a token itself)")
     return Server(config.host, config.port, identity, internal, config.health_port,
-                  max_receive_bytes)
+                  max_receive_bytes, share_port)
 
 
 def worker_id(config: ServerConfig, role: str, port: int) -> str:

@@ -82,15 +82,17 @@ class OpenAIServer:
         return app
 
     async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None,
-                    shutdown_grace_s: float = 5.0) -> int:
+                    shutdown_grace_s: float = 5.0, share_port: bool = False) -> int:
         """Serves on ``host:port`` (0: any free port), over TLS with ``ssl_context``; returns
-        the port. A busy port raises OSError (SO_REUSEPORT off: never shared)."""
+        the port. A busy port raises OSError (SO_REUSEPORT off: never shared) unless
+        ``share_port`` (several router processes on one port)."""
         # handler_cancellation: a client that disconnects cancels its handler, and with it
         # every choice it was generating.
         self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None,
                                      shutdown_timeout=shutdown_grace_s)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, reuse_port=False, ssl_context=ssl_context)
+        site = web.TCPSite(self._runner, host, port, reuse_port=share_port,
+                           ssl_context=ssl_context)
         await site.start()
         return site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 

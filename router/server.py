@@ -114,7 +114,7 @@ async def serve(config: RouterConfig) -> None:
     template = load_chat_template(config.chat_template, local)
     identity = Identity.from_config(config.server)
     server = make_server(config.server, identity, internal=False,
-                         max_receive_bytes=config.max_request_bytes)
+                         max_receive_bytes=config.max_request_bytes, share_port=config.share_port)
     metrics = RouterMetrics(worker_id(config.server, "router", server.port),
                            served_name(config))
     workers = WorkerPool({"prefill": config.prefill_addrs + config.prefill_discovery,
@@ -149,7 +149,7 @@ async def serve(config: RouterConfig) -> None:
                 tls.load_cert_chain(config.server.tls_cert_file, config.server.tls_key_file)
             try:
                 port = await http.start(config.server.host, config.http_port, tls,
-                                        config.server.shutdown_grace_s)
+                                        config.server.shutdown_grace_s, config.share_port)
             except OSError as err:
                 raise ConfigError(f"--http-port {config.http_port}: cannot listen on "
                                   f"{config.server.host}:{config.http_port}: "
