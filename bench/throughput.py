@@ -1,5 +1,6 @@
 """End-to-end throughput through the public API: mini-sglang's offline workload against
-`pdserve up` (or a running router), with TTFT/ITL percentiles and the decode worker's own view.
+`pdserve up` (or a running router), with TTFT/ITL percentiles, the decode worker's own view
+(steps, step time, batch, time yielded to prefill) and the router processes' CPU per token.
 
 The workload is mini-sglang's `benchmark/offline/bench.py` draw for draw (random.seed(0): 256
 prompts of 100..1024 ids in [0, 10000], 100..1024 output tokens each, temperature 0.6,
@@ -12,6 +13,7 @@ the client is never what limits the figure.
     python bench/throughput.py --model /tmp/q06 --peer-json minisgl.json   # adds the ratio
     python bench/throughput.py --model /tmp/q06 --api both   # gRPC, then the OpenAI HTTP API
                                                              # (SSE) on the same cluster
+    python bench/throughput.py --model /tmp/q06 --up-args "--routers 4"
 """
 from __future__ import annotations
 
@@ -170,6 +172,16 @@ def scrape(metrics_address: str) -> dict[str, float]:
     return values
 
 
+def router_cpu_s(metrics_addresses: list[str]) -> float:
+    """CPU seconds the router processes have used (their process collectors' counter)."""
+    total = 0.0
+    for address in metrics_addresses:
+        text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+        match = re.search(r"^process_cpu_seconds_total(?:\{[^}]*\})? ([0-9.e+-]+)$", text, re.M)
+        total += float(match[1]) if match else 0.0
+    return total
+
+
 def percentiles(values: list[float]) -> dict[str, float]:
     cuts = statistics.quantiles(values, n=100) if len(values) > 1 else values * 99
     return {f"p{q}": round(cuts[q - 1], 2) for q in (50, 90, 99)}
@@ -200,11 +212,13 @@ def main() -> None:
     prompts, outputs = workload(args.num_seqs, args.max_input, args.max_output)
     process = None
     decode_metrics = ""
+    router_metrics: list[str] = []
     router = args.router
     http_url = ""
     if not router:
         process, router, metrics = start_up(["--model", args.model, *args.up_args.split()])
         decode_metrics = metrics.get("decode", "")
+        router_metrics = [a for name, a in metrics.items() if re.fullmatch(r"router\d+", name)]
         http_url = metrics.get("http", "")
     apis = ["grpc", "http"] if args.api == "both" else [args.api]
     if "http" in apis and not http_url:
@@ -225,11 +239,13 @@ def main() -> None:
             run_clients(target, warm or [prompts[0][:16]], [64] * len(warm) or [4],
                         args.temperature, min(args.clients, max(len(warm), 1)))
             before = scrape(decode_metrics) if decode_metrics else None
+            router_before = router_cpu_s(router_metrics)
             print(f"measuring {api}", file=sys.stderr, flush=True)
             results, wall_s = run_clients(target, prompts, outputs, args.temperature,
                                           args.clients)
             after = scrape(decode_metrics) if decode_metrics else None
-            rows.append(_row(args, api, results, wall_s, outputs, before, after))
+            router_cpu = (len(router_metrics), router_cpu_s(router_metrics) - router_before)
+            rows.append(_row(args, api, results, wall_s, outputs, before, after, router_cpu))
     finally:
         if process is not None:
             process.send_signal(signal.SIGTERM)
@@ -244,7 +260,7 @@ def main() -> None:
 
 def _row(args: argparse.Namespace, api: str, results: list[dict], wall_s: float,
          outputs: list[int], before: dict[str, float] | None,
-         after: dict[str, float] | None) -> dict:
+         after: dict[str, float] | None, router_cpu: tuple[int, float] = (0, 0.0)) -> dict:
     tokens = sum(r["tokens"] for r in results)
     expected = sum(outputs)
     row = {
@@ -267,6 +283,9 @@ def _row(args: argparse.Namespace, api: str, results: list[dict], wall_s: float,
             "batch_mean": round(delta["pdserve_decode_batch_size_sum"]
                                 / (delta["pdserve_decode_batch_size_count"] or 1), 1),
         }
+    if router_cpu[0]:   # the router processes' CPU over the run: what one of them can relay
+        row["router"] = {"processes": router_cpu[0], "cpu_s": round(router_cpu[1], 2),
+                         "cpu_us_per_token": round(router_cpu[1] / max(tokens, 1) * 1e6, 1)}
     if args.peer_json:
         peer = json.loads(Path(args.peer_json).read_text())
         row["peer"] = peer
