@@ -141,7 +141,7 @@ async def _decode_beside_a_prefill(runner, commit_after_s: float | None) -> tupl
         assert table.held_pages == 0 and table.num_prefilling == 0
     finally:
         task.cancel()
-    return before_commit, len(tokens), metrics.yielded._value.get()
+    return before_commit, len(tokens), metrics.sample("pdserve_decode_yielded_seconds_total")
 
 
 def test_decode_holds_steps_back_while_a_prompt_is_prefilled_on_its_gpu(tiny_runner, monkeypatch):

@@ -45,13 +45,3 @@ def test_router_processes_share_the_public_ports(tiny_runner):
     finally:
         stop_cluster(cluster)
 
-
-def test_routers_must_be_at_least_one():
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-m", "pdserve", "up", "--routers", "0"],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1] == (
-        "pdserve: error: --routers 0: at least one router is needed")
