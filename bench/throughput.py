@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import random
@@ -26,6 +27,7 @@ import re
 import signal
 import statistics
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -47,17 +49,22 @@ def workload(num_seqs: int, max_input: int, max_output: int) -> tuple[list[list[
 
 
 async def _run_requests(router: str, jobs: list[tuple[list[int], int]], temperature: float,
-                        start: Callable[[], float]) -> list[dict]:
+                        start: Callable[[], float], connections: int = 1) -> list[dict]:
+    """``jobs`` over ``connections`` connections of their own (as that many users would
+    come), each request on the next in turn."""
     import grpc
 
     from protos.pdserve.v1 import generate_pb2, generate_pb2_grpc
 
-    async with grpc.aio.insecure_channel(router, options=[
-            ("grpc.max_receive_message_length", 64 << 20)]) as channel:
-        stub = generate_pb2_grpc.GenerationServiceStub(channel)
-        await stub.GetModelInfo(generate_pb2.GetModelInfoRequest())   # connected before the start
+    channels = [grpc.aio.insecure_channel(router, options=[
+        ("grpc.max_receive_message_length", 64 << 20), ("grpc.use_local_subchannel_pool", 1)])
+        for _ in range(connections)]
+    try:
+        stubs = [generate_pb2_grpc.GenerationServiceStub(channel) for channel in channels]
+        for stub in stubs:   # connected before the start
+            await stub.GetModelInfo(generate_pb2.GetModelInfoRequest())
 
-        async def one(index: int, prompt: list[int], max_new: int) -> dict:
+        async def one(stub, index: int, prompt: list[int], max_new: int) -> dict:  # noqa: ANN001
             request = generate_pb2.GenerateRequest(
                 token_ids=generate_pb2.TokenIds(ids=prompt), stream=True,
                 sampling=generate_pb2.SamplingParams(max_new_tokens=max_new, ignore_eos=True,
@@ -73,7 +80,11 @@ async def _run_requests(router: str, jobs: list[tuple[list[int], int]], temperat
             return {"start": started, "first": first or end, "end": end, "tokens": tokens}
 
         await asyncio.get_running_loop().run_in_executor(None, start)   # all at once
-        return await asyncio.gather(*(one(i, p, n) for i, p, n in jobs))
+        return await asyncio.gather(*(one(stubs[k % len(stubs)], i, p, n)
+                                      for k, (i, p, n) in enumerate(jobs)))
+    finally:
+        for channel in channels:
+            await channel.close()
 
 
 async def _run_http_requests(base_url: str, jobs: list[tuple[list[int], int]],
@@ -112,7 +123,8 @@ async def _run_http_requests(base_url: str, jobs: list[tuple[list[int], int]],
         return await asyncio.gather(*(one(i, p, n) for i, p, n in jobs))
 
 
-def _client(router: str, jobs: list, temperature: float, ready, results) -> None:
+def _client(router: str, jobs: list, temperature: float, connections: int, ready,
+            results) -> None:
     """One client process: connects, waits at ``ready`` until every client has connected (a
     spawned process takes seconds to import its modules), then sends all its requests at once."""
     def start() -> float:
@@ -122,19 +134,22 @@ def _client(router: str, jobs: list, temperature: float, ready, results) -> None
     if router.startswith("http"):
         part = asyncio.run(_run_http_requests(router, jobs, temperature, start))
     else:
-        part = asyncio.run(_run_requests(router, jobs, temperature, start))
+        part = asyncio.run(_run_requests(router, jobs, temperature, start, connections))
     results.put(part)
 
 
 def run_clients(router: str, prompts: list[list[int]], outputs: list[int], temperature: float,
-                processes: int) -> tuple[list[dict], float]:
-    """``router``: a gRPC address, or the HTTP API's base URL (http://host:port/v1). The wall
-    time runs from the moment every client is connected and released to the last token."""
+                processes: int, connections: int = 1) -> tuple[list[dict], float, float]:
+    """``router``: a gRPC address, or the HTTP API's base URL (http://host:port/v1). Returns
+    the results, the wall time (from the moment every client is connected and released to the
+    last token) and that moment (time.time()). Each client process opens ``connections``
+    gRPC connections."""
     jobs = [(i, p, n) for i, (p, n) in enumerate(zip(prompts, outputs))]
     shares = [jobs[k::processes] for k in range(processes)]
     ctx = multiprocessing.get_context("spawn")
     ready, results = ctx.Barrier(processes + 1), ctx.Queue()
-    clients = [ctx.Process(target=_client, args=(router, share, temperature, ready, results))
+    clients = [ctx.Process(target=_client,
+                           args=(router, share, temperature, connections, ready, results))
                for share in shares]
     for client in clients:
         client.start()
@@ -144,7 +159,7 @@ def run_clients(router: str, prompts: list[list[int]], outputs: list[int], tempe
     for client in clients:
         client.join()
     rows = [r for part in parts for r in part]
-    return rows, max(r["end"] for r in rows) - started
+    return rows, max(r["end"] for r in rows) - started, started
 
 
 def model_vocab(router: str) -> int:
@@ -157,13 +172,31 @@ def model_vocab(router: str) -> int:
         return stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=30).vocab_size
 
 
-def scrape(metrics_address: str) -> dict[str, float]:
-    """The decode worker's step count, step time and batch size series (summed over labels)."""
+DECODE_SERIES = ("pdserve_decode_steps_total", "pdserve_step_duration_seconds_sum",
+                 "pdserve_step_duration_seconds_count", "pdserve_decode_batch_size_sum",
+                 "pdserve_decode_batch_size_count", "pdserve_generated_tokens_total",
+                 "pdserve_decode_yielded_seconds_total")
+# What --timeline samples: (key in the JSON, worker, series).
+TIMELINE_SERIES = (
+    ("decode_steps", "decode", "pdserve_decode_steps_total"),
+    ("decode_tokens", "decode", "pdserve_generated_tokens_total"),
+    ("decode_busy_s", "decode", "pdserve_step_duration_seconds_sum"),
+    ("decode_yielded_s", "decode", "pdserve_decode_yielded_seconds_total"),
+    ("decode_running", "decode", "pdserve_running_requests"),
+    ("decode_queued", "decode", "pdserve_queued_requests"),
+    ("decode_pages_free", "decode", "pdserve_kv_pages_free"),
+    ("prefill_tokens", "prefill", "pdserve_prefill_computed_tokens_total"),
+    ("prefill_steps", "prefill", "pdserve_step_duration_seconds_count"),
+    ("prefill_busy_s", "prefill", "pdserve_step_duration_seconds_sum"),
+    ("prefill_running", "prefill", "pdserve_running_requests"),
+    ("prefill_queued", "prefill", "pdserve_queued_requests"),
+)
+
+
+def scrape(metrics_address: str, wanted: tuple[str, ...] = DECODE_SERIES) -> dict[str, float]:
+    """A worker's ``wanted`` series (by default the decode worker's step count, step time and
+    batch size), each summed over its labels."""
     text = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10).read().decode()
-    wanted = {"pdserve_decode_steps_total", "pdserve_step_duration_seconds_sum",
-              "pdserve_step_duration_seconds_count", "pdserve_decode_batch_size_sum",
-              "pdserve_decode_batch_size_count", "pdserve_generated_tokens_total",
-              "pdserve_decode_yielded_seconds_total"}
     values = dict.fromkeys(wanted, 0.0)
     for line in text.splitlines():
         match = re.match(r"([a-z_]+)(\{[^}]*\})? ([0-9.e+-]+)$", line)
@@ -172,14 +205,76 @@ def scrape(metrics_address: str) -> dict[str, float]:
     return values
 
 
-def router_cpu_s(metrics_addresses: list[str]) -> float:
-    """CPU seconds the router processes have used (their process collectors' counter)."""
-    total = 0.0
+def router_usage(metrics_addresses: list[str]) -> list[tuple[float, float]]:
+    """Each router process's CPU seconds so far (its process collector's counter) and the
+    requests it has served."""
+    usage = []
     for address in metrics_addresses:
-        text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
-        match = re.search(r"^process_cpu_seconds_total(?:\{[^}]*\})? ([0-9.e+-]+)$", text, re.M)
-        total += float(match[1]) if match else 0.0
-    return total
+        values = scrape(address, ("process_cpu_seconds_total", "pdserve_requests_total"))
+        usage.append((values["process_cpu_seconds_total"], values["pdserve_requests_total"]))
+    return usage
+
+
+class Timeline:
+    """Samples the decode and prefill workers' counters every ``interval_s`` during a run (a
+    thread of this process): when prefill finished the burst, when decode ran, yielded or sat
+    idle. Off by default: each scrape costs the workers a little of their GIL."""
+
+    def __init__(self, metrics: dict[str, str], interval_s: float) -> None:
+        self.metrics, self.interval_s = metrics, interval_s
+        self.samples: list[list[float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._started = 0.0
+
+    def __enter__(self) -> Timeline:
+        self._started = time.time()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self) -> list[float]:
+        row = [round(time.time() - self._started, 3)]
+        by_worker: dict[str, dict[str, float]] = {}
+        for worker in ("decode", "prefill"):
+            names = tuple(s for _, w, s in TIMELINE_SERIES if w == worker)
+            by_worker[worker] = scrape(self.metrics[worker], names)
+        row += [round(by_worker[w][s], 4) for _, w, s in TIMELINE_SERIES]
+        return row
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append(self._sample())
+            self._stop.wait(self.interval_s)
+        self.samples.append(self._sample())
+
+    def summary(self, started: float) -> dict:
+        """The samples, relative to the run's start (``started``, time.time()) and to the first
+        sample's counters, with when each worker first and last made progress."""
+        keys = ["t"] + [k for k, _, _ in TIMELINE_SERIES]
+        shift = self._started - started
+        base = self.samples[0]
+        counters = {i for i, k in enumerate(keys) if k.endswith(("_steps", "_tokens", "_s"))}
+        rows = [[round(r[0] + shift, 3)] + [round(v - base[i], 4) if i in counters else v
+                                           for i, v in enumerate(r) if i]
+                for r in self.samples]
+
+        def moved(column: str) -> tuple[float | None, float | None]:
+            i = keys.index(column)
+            times = [rows[j][0] for j in range(1, len(rows)) if rows[j][i] > rows[j - 1][i]]
+            return (times[0], times[-1]) if times else (None, None)
+
+        decode_first, decode_last = moved("decode_steps")
+        prefill_first, prefill_last = moved("prefill_tokens")
+        return {"interval_s": self.interval_s, "decode_first_step_s": decode_first,
+                "decode_last_step_s": decode_last, "prefill_first_tokens_s": prefill_first,
+                "prefill_last_tokens_s": prefill_last,
+                "prefill_steps": rows[-1][keys.index("prefill_steps")],
+                "prefill_busy_s": round(rows[-1][keys.index("prefill_busy_s")], 3),
+                "columns": keys, "samples": rows}
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -195,6 +290,9 @@ def main() -> None:
     parser.add_argument("--max-output", type=int, default=1024)
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--clients", type=int, default=8, help="client processes")
+    parser.add_argument("--connections", type=int, default=4, help="gRPC connections per client "
+                        "process (32 in all by default: the kernel spreads connections, not "
+                        "requests, over `up --routers N` processes)")
     parser.add_argument("--warmup-seqs", type=int, default=64, help="requests of the workload "
                         "(64 output tokens each, other first tokens) run before measuring")
     parser.add_argument("--up-args", default="", help="more flags for pdserve up")
@@ -205,6 +303,9 @@ def main() -> None:
     parser.add_argument("--api", default="grpc", choices=("grpc", "http", "both"),
                         help="the public API the clients use (both: gRPC, then HTTP, on the "
                         "same cluster, with the ratio)")
+    parser.add_argument("--timeline", type=float, default=0.0, metavar="SECONDS",
+                        help="sample the workers' counters this often during the measured run "
+                        "and write them to the JSON (0: off)")
     parser.add_argument("--label", default="", help="name of this configuration in the JSON")
     parser.add_argument("--out", default="bench/results/throughput.json")
     args = parser.parse_args()
@@ -237,15 +338,24 @@ def main() -> None:
             # measured run would otherwise pay for JIT compiles while serving.
             warm = [[(p[0] + 7 + k) % vocab_size] + p[1:] for p in prompts[:args.warmup_seqs]]
             run_clients(target, warm or [prompts[0][:16]], [64] * len(warm) or [4],
-                        args.temperature, min(args.clients, max(len(warm), 1)))
+                        args.temperature, min(args.clients, max(len(warm), 1)), args.connections)
             before = scrape(decode_metrics) if decode_metrics else None
-            router_before = router_cpu_s(router_metrics)
+            router_before = router_usage(router_metrics)
             print(f"measuring {api}", file=sys.stderr, flush=True)
-            results, wall_s = run_clients(target, prompts, outputs, args.temperature,
-                                          args.clients)
+            timeline = (Timeline(metrics, args.timeline) if args.timeline > 0 and decode_metrics
+                        else contextlib.nullcontext())
+            with timeline:
+                results, wall_s, started = run_clients(target, prompts, outputs,
+                                                       args.temperature, args.clients,
+                                                       args.connections)
             after = scrape(decode_metrics) if decode_metrics else None
-            router_cpu = (len(router_metrics), router_cpu_s(router_metrics) - router_before)
+            router_cpu = [(cpu - cpu0, done - done0) for (cpu, done), (cpu0, done0)
+                          in zip(router_usage(router_metrics), router_before)]
             rows.append(_row(args, api, results, wall_s, outputs, before, after, router_cpu))
+            if isinstance(timeline, Timeline):
+                rows[-1]["timeline"] = timeline.summary(started)
+                print(json.dumps({k: v for k, v in rows[-1]["timeline"].items()
+                                  if k not in ("columns", "samples")}), flush=True)
     finally:
         if process is not None:
             process.send_signal(signal.SIGTERM)
@@ -260,7 +370,8 @@ def main() -> None:
 
 def _row(args: argparse.Namespace, api: str, results: list[dict], wall_s: float,
          outputs: list[int], before: dict[str, float] | None,
-         after: dict[str, float] | None, router_cpu: tuple[int, float] = (0, 0.0)) -> dict:
+         after: dict[str, float] | None,
+         routers: list[tuple[float, float]] | None = None) -> dict:
     tokens = sum(r["tokens"] for r in results)
     expected = sum(outputs)
     row = {
@@ -283,9 +394,13 @@ def _row(args: argparse.Namespace, api: str, results: list[dict], wall_s: float,
             "batch_mean": round(delta["pdserve_decode_batch_size_sum"]
                                 / (delta["pdserve_decode_batch_size_count"] or 1), 1),
         }
-    if router_cpu[0]:   # the router processes' CPU over the run: what one of them can relay
-        row["router"] = {"processes": router_cpu[0], "cpu_s": round(router_cpu[1], 2),
-                         "cpu_us_per_token": round(router_cpu[1] / max(tokens, 1) * 1e6, 1)}
+    if routers:   # the router processes' CPU over the run (what one of them can relay), and
+        # how the kernel spread the requests over them
+        cpu_s = sum(cpu for cpu, _ in routers)
+        row["router"] = {"processes": len(routers), "cpu_s": round(cpu_s, 2),
+                         "cpu_us_per_token": round(cpu_s / max(tokens, 1) * 1e6, 1),
+                         "cpu_s_each": [round(cpu, 2) for cpu, _ in routers],
+                         "requests_each": [int(done) for _, done in routers]}
     if args.peer_json:
         peer = json.loads(Path(args.peer_json).read_text())
         row["peer"] = peer
