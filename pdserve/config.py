@@ -97,8 +97,10 @@ class ServerConfig:
 class PrefillConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
-    chunk_size: int = setting(2048, "most prompt tokens per prefill step, across requests; "
-                              "longer prompts are chunked")
+    chunk_size: int = setting(0, "most prompt tokens per prefill step, across requests; "
+                              "longer prompts are chunked; 0 (auto): by the model's size, "
+                              "2048 (8B) to 8192 (0.6B) tokens, at most a quarter of the KV "
+                              "pool")
     max_queued_requests: int = setting(1024, "prompts waiting for pages before "
                                        "RESOURCE_EXHAUSTED")
     max_queue_wait_s: float = setting(60.0, "a prompt that waits this long without starting "
@@ -190,9 +192,10 @@ class LauncherConfig:
                              "port, -1: none)")
     prefill: int = setting(1, "prefill workers")
     decode: int = setting(1, "decode workers")
-    routers: int = setting(1, "router processes, sharing the public ports: one Python process "
-                           "relays every streamed message of its clients, and at a few "
-                           "thousand tokens per second per stream set it saturates a core")
+    routers: int = setting(0, "router processes, sharing the public ports: one Python process "
+                           "relays every streamed message of its clients, and at about 10k "
+                           "tokens/s it saturates a core; 0 (auto): 1 where the workers run on "
+                           "the CPU, else one per 4 cores of this host, at most 4")
     no_metrics: bool = setting(False, "start no metrics exporters")
     ready_timeout_s: float = setting(600.0, "how long the cluster may take to become ready")
     max_restarts: int = setting(5, "times one process that dies is started again within 10 "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
+import os
 import signal
 import socket
 import subprocess
@@ -45,6 +46,11 @@ ROUTER_SET_BY_LAUNCHER = ("model", "revision", "served_model_name", "max_model_l
 # How `up` splits --gpu-memory-utilization between the workers that share a GPU.
 MEMORY_SHARE = {"prefill": 0.25, "decode": 0.75}
 YIELD_TO_PREFILL_MS = 100.0   # decode's --yield-to-prefill-ms where a prefill worker shares its GPU
+# --routers auto on a GPU host: one router process per CORES_PER_ROUTER cores, at most
+# AUTO_ROUTERS. Measured on one H100 (16 cores; `bench/throughput.py`, qwen3-0.6b): one router
+# ran at 100% of a core relaying about 9k tokens/s; four shared about 1.3 cores at 17k.
+AUTO_ROUTERS = 4
+CORES_PER_ROUTER = 4
 
 
 @dataclass
@@ -86,8 +92,10 @@ class ClusterPlan:
         )
 
         launcher = self.launcher
-        if launcher.routers < 1:
-            raise ConfigError(f"--routers {launcher.routers}: at least one router is needed")
+        if launcher.routers < 0:
+            raise ConfigError(f"--routers {launcher.routers}: give a number of router "
+                              "processes, or 0 (auto)")
+        self.launcher = launcher = dataclasses.replace(launcher, routers=self.router_count())
         check_engine(self.engine)
         for role, index in self._workers():
             check_device(self.device_of(role, index))
@@ -107,6 +115,16 @@ class ClusterPlan:
         if launcher.http_port == launcher.port:
             raise ConfigError(f"--http-port {launcher.http_port} is the gRPC --port")
         check_port(launcher.host, launcher.http_port, "--http-port")
+
+    def router_count(self) -> int:
+        """--routers, or under auto (0): one where every worker runs on the CPU; where one runs
+        on a GPU, one per CORES_PER_ROUTER cores of this host, at most AUTO_ROUTERS (a router
+        process relays its clients' streamed messages on one core)."""
+        if self.launcher.routers > 0:
+            return self.launcher.routers
+        if not any(_gpu(self.device_of(role, i)) for role, i in self._workers()):
+            return 1
+        return max(1, min(AUTO_ROUTERS, (os.cpu_count() or 1) // CORES_PER_ROUTER))
 
     def worker_argv(self, role: str, index: int) -> list[str]:
         config = self.prefill if role == "prefill" else self.decode
@@ -132,13 +150,28 @@ class ClusterPlan:
             "--http-port", str(http_port)]
 
 
-def _same_gpu(a: str, b: str) -> bool:
-    """Whether devices ``a`` and ``b`` (as flags give them) are one GPU: auto and cuda mean
-    cuda:0 where there is CUDA; cpu is no GPU."""
-    def canonical(device: str) -> str:
-        return "cuda:0" if device in ("auto", "cuda") else device
+def _gpu(device: str) -> str:
+    """The GPU ``device`` (as flags give it) is, or '' for none: cuda means cuda:0, and so does
+    auto where this host has a GPU (as the worker will find: see _host_has_gpu)."""
+    if device == "auto":
+        device = "cuda" if _host_has_gpu() else "cpu"
+    if device == "cuda":
+        return "cuda:0"
+    return device if device.startswith("cuda") else ""
 
-    return canonical(a) == canonical(b) and canonical(a).startswith("cuda")
+
+def _host_has_gpu() -> bool:
+    """Whether the NVIDIA driver lists a GPU that CUDA_VISIBLE_DEVICES does not hide; read
+    from /proc, so the launcher itself never imports torch."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1"):
+        return False
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return gpus.is_dir() and any(gpus.iterdir())
+
+
+def _same_gpu(a: str, b: str) -> bool:
+    """Whether devices ``a`` and ``b`` (as flags give them) are one GPU."""
+    return _gpu(a) != "" and _gpu(a) == _gpu(b)
 
 
 @dataclass
@@ -308,6 +341,7 @@ def run_cluster(plan: ClusterPlan) -> int:
     except ConfigError as err:
         print(f"pdserve: error: {err}", file=sys.stderr, flush=True)
         return 2
+    launcher = plan.launcher   # (with what preflight resolved, such as --routers auto)
     try:
         secrets = make_secrets(launcher.internal_token_file, launcher.tls, host)
     except (OSError, RuntimeError, subprocess.CalledProcessError) as err:

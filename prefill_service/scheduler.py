@@ -25,11 +25,39 @@ from pdserve.engine.runner import ModelRunner
 from pdserve.errors import InvalidRequest, Overloaded
 from pdserve.kvcache.prefix_pages import PrefixPages, PromptPages
 from pdserve.metrics import PrefillMetrics
+from pdserve.models.config import ModelConfig
 from pdserve.sampling_params import SamplingParams, sample_row
 from prefill_service.handoff import Handoff
 from prefill_service.leases import LeaseKeeper
 
 log = logging.getLogger(__name__)
+
+# --chunk-size auto: a step of about this many FLOPs, within these bounds. A step costs a fixed
+# host time (a kernel launch per op per layer, under a GIL the event loop shares) besides its
+# GPU time; a small model needs more tokens per step to amortise it. Measured on an H100
+# (`bench/throughput.py`'s burst, one GPU): qwen3-0.6b prefilled 144k prompt tokens in 71
+# steps of 2,048 tokens taking 2.5-3.1 s, in 19 steps of 8,192 taking 1.5 s; llama3-8b was
+# slower at 8,192 than at 2,048 (its prefill pool, beside two copies of 16 GB of weights,
+# holds few such steps).
+AUTO_CHUNK_FLOPS = 8e12
+AUTO_CHUNK_TOKENS = (2048, 8192)
+
+
+def auto_chunk_size(model: ModelConfig, pool_tokens: int | None = None,
+                    page_size: int = 1) -> int:
+    """Prompt tokens per prefill step for ``model``: the power of two nearest below
+    AUTO_CHUNK_FLOPS of linear-layer work, within AUTO_CHUNK_TOKENS (2,048 for an 8B model,
+    8,192 for a 0.6B one), and, given the KV pool's size, at most a quarter of it (the
+    pages of earlier steps' prompts are still being written out to decode), at least a page."""
+    per_layer = (model.hidden_size * (model.q_size + 2 * model.kv_size)
+                 + model.q_size * model.hidden_size + 3 * model.hidden_size * model.intermediate_size)
+    flops_per_token = 2 * model.num_layers * per_layer
+    tokens = 1 << max(0, int(AUTO_CHUNK_FLOPS / flops_per_token).bit_length() - 1)
+    low, high = AUTO_CHUNK_TOKENS
+    tokens = min(max(tokens, low), high)
+    if pool_tokens is not None:
+        tokens = max(page_size, min(tokens, pool_tokens // 4))
+    return tokens
 
 
 @dataclass(eq=False)

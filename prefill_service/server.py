@@ -10,16 +10,16 @@ from kv_transfer.base import KVTarget
 from kv_transfer.link import DecodeLinks
 from pdserve.config import PrefillConfig
 from pdserve.engine.runner import ModelRunner
-from pdserve.errors import InvalidRequest, NotPermitted, PdserveError
+from pdserve.errors import ConfigError, InvalidRequest, NotPermitted, PdserveError
 from pdserve.grpc_util import map_errors
 from pdserve.metrics import PrefillMetrics
-from pdserve.models.source import served_name
+from pdserve.models.source import local_model, served_name, source_config
 from pdserve.proto_convert import sampling_from_proto, worker_info
 from pdserve.sampling_params import check_sampling, check_token_ids
 from pdserve.security import Identity
 from pdserve.serving import make_server, serve_until_signal, start_metrics, worker_id
 from prefill_service.handoff import Handoff
-from prefill_service.scheduler import PrefillScheduler, PrefillTask
+from prefill_service.scheduler import PrefillScheduler, PrefillTask, auto_chunk_size
 from protos.pdserve.v1 import prefill_pb2, prefill_pb2_grpc, worker_pb2
 
 log = logging.getLogger(__name__)
@@ -79,12 +79,21 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
 
 async def serve(config: PrefillConfig) -> None:
     identity = Identity.from_config(config.server)
-    runner = ModelRunner(config.engine, "prefill", config.chunk_size)
+    if config.chunk_size < 0:
+        raise ConfigError(f"--chunk-size {config.chunk_size}: must be a number of tokens, or 0 "
+                          "(auto)")
+    model = source_config(config.engine, local_model(config.engine))
+    chunk_size = auto_chunk_size(model) if config.chunk_size == 0 else config.chunk_size
+    runner = ModelRunner(config.engine, "prefill", chunk_size)
+    if config.chunk_size == 0:
+        page_size = runner.pool.page_size
+        chunk_size = auto_chunk_size(model, runner.pool.allocator.total * page_size, page_size)
+        log.info("prefill: --chunk-size auto: %d prompt tokens per step", chunk_size)
     server = make_server(config.server, identity)
     worker = worker_id(config.server, "prefill", server.port)
     metrics = PrefillMetrics(worker, served_name(config.engine))
     links = DecodeLinks(runner.pool, config.transfer_timeout_s, identity, config.server.host)
-    scheduler = PrefillScheduler(runner, links, config.chunk_size, config.max_queued_requests,
+    scheduler = PrefillScheduler(runner, links, chunk_size, config.max_queued_requests,
                                  metrics, layerwise=config.layerwise_transfer,
                                  max_queue_wait_s=config.max_queue_wait_s,
                                  prefix_cache=not config.disable_prefix_cache)

@@ -41,7 +41,7 @@ def _one_line_error(result: subprocess.CompletedProcess, *words: str) -> None:
     (["--gpu-memory-utilization", "1.5"], ["--gpu-memory-utilization"]),
     (["--internal-token-file", "/nonexistent/token"], ["--internal-token-file"]),
     (["--decode-devices", "tpu:0"], ["--device 'tpu:0'"]),
-    (["--routers", "0"], ["--routers 0", "at least one router"]),
+    (["--routers", "-1"], ["--routers -1", "0 (auto)"]),
 ])
 def test_up_reports_a_mistake_in_one_line(flags, words):
     _one_line_error(_pdserve("up", "--port", str(free_port()), *flags), *words)

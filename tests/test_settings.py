@@ -83,6 +83,49 @@ def test_up_splits_gpu_memory_between_workers_sharing_a_gpu():
     assert (router.served_model_name, router.max_model_len) == ("m", 1024)
 
 
+def test_up_resolves_auto_devices_and_router_count_from_the_host(monkeypatch):
+    """--device auto shares a GPU only on a host with one (a CPU cluster neither splits memory
+    nor yields to prefill); --routers auto starts one router per 4 cores, at most 4, where a
+    worker runs on a GPU, and one on the CPU."""
+    import pdserve.launcher as launcher
+
+    def plan_for(*flags):
+        return ClusterPlan.from_args(build_parser().parse_args(["up", *flags]))
+
+    def yield_ms(plan):
+        return role_config("decode", build_parser().parse_args(
+            ["decode", *plan.worker_argv("decode", 0)])).yield_to_prefill_ms
+
+    monkeypatch.setattr(launcher, "_host_has_gpu", lambda: False)
+    monkeypatch.setattr(launcher.os, "cpu_count", lambda: 16)
+    assert yield_ms(plan_for()) == 0
+    assert plan_for().router_count() == 1
+    assert plan_for("--device", "cuda").router_count() == 4
+    assert plan_for("--routers", "3").router_count() == 3
+    monkeypatch.setattr(launcher, "_host_has_gpu", lambda: True)
+    assert yield_ms(plan_for()) == 100
+    assert plan_for().router_count() == 4
+    assert plan_for("--device", "cpu").router_count() == 1
+    monkeypatch.setattr(launcher.os, "cpu_count", lambda: 2)
+    assert plan_for().router_count() == 1
+    monkeypatch.setattr(launcher.os, "cpu_count", lambda: 64)
+    assert plan_for().router_count() == 4
+
+
+def test_prefill_chunk_auto_follows_the_model_size_and_the_pool():
+    from pdserve.models.presets import model_config
+    from prefill_service.scheduler import auto_chunk_size
+
+    assert auto_chunk_size(model_config("llama3-8b")) == 2048
+    assert auto_chunk_size(model_config("qwen3-8b")) == 2048
+    assert auto_chunk_size(model_config("qwen3-0.6b")) == 8192
+    assert auto_chunk_size(model_config("tiny")) == 8192
+    # At most a quarter of the prefill pool, at least a page.
+    assert auto_chunk_size(model_config("qwen3-0.6b"), pool_tokens=10_000, page_size=16) == 2500
+    assert auto_chunk_size(model_config("qwen3-0.6b"), pool_tokens=32, page_size=16) == 16
+    assert PrefillConfig().chunk_size == 0   # auto is the default
+
+
 @pytest.mark.parametrize("config", [EngineConfig(torch_threads=2, fused_rope_kv=False),
                                     DecodeConfig(max_running_requests=8),
                                     RouterConfig(prefill_addrs=["x:1", "y:2"])])
