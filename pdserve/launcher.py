@@ -33,8 +33,10 @@ from pdserve.config import (
     ModelSource,
     PrefillConfig,
     RouterConfig,
+    ServerConfig,
 )
 from pdserve.errors import ConfigError
+from pdserve.serving import worker_id
 from pdserve.settings import from_args, to_argv
 
 STOP_GRACE_S = 10.0
@@ -277,16 +279,22 @@ def _until_ready(child: Child, deadline: float, stopping: list[bool], secrets: C
 
 
 def _stop_all(children: list[Child]) -> None:
-    for child in reversed(children):  # the router first: it stops taking requests
-        if child.process.poll() is None:
+    """Stops the routers first (they stop taking requests and finish their streams while the
+    workers still serve), then the prefill workers, then decode: a prefill worker maps decode's
+    KV pool over cuda_ipc, and a decode process that exits while it is still mapped has CUDA
+    warn that tensors it shared were not released. Each stage gets STOP_GRACE_S, then is
+    killed."""
+    for role in ("router", "prefill", "decode"):
+        stage = [c for c in children if c.role == role and c.process.poll() is None]
+        for child in stage:
             child.process.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_S
-    for child in children:
-        try:
-            child.process.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            child.process.kill()
-            child.process.wait()
+        deadline = time.monotonic() + STOP_GRACE_S
+        for child in stage:
+            try:
+                child.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait()
 
 
 def _supervise(children: list[Child], launcher: LauncherConfig, stopping: list[bool],
@@ -369,7 +377,7 @@ def run_cluster(plan: ClusterPlan) -> int:
             for i in range(launcher.routers):
                 routers.append(_start("router", host, port, metrics, [
                     *extra, "--share-port", "--worker-id",
-                    f"router{i}-{socket.gethostname()}-{port}"], launcher, secrets,
+                    worker_id(ServerConfig(), f"router{i}", port)], launcher, secrets,
                     health_port=ports()))
         children.extend(routers)
         for router in routers:

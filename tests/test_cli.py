@@ -154,3 +154,33 @@ def test_version_is_one_line():
     out = subprocess.run([sys.executable, "-m", "pdserve", "--version"], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0 and out.stdout == f"pdserve {pdserve.__version__}\n"
+
+
+def test_up_stops_routers_then_prefill_then_decode(tmp_path):
+    """Each stage exits before the next is signalled: routers finish their streams while the
+    workers serve, and prefill (which maps decode's KV pool) is gone before decode exits."""
+    from pdserve.launcher import Child, _stop_all
+
+    log = tmp_path / "order"
+    script = ("import signal, sys, time\n"
+              "def stop(*_):\n"
+              "    open(sys.argv[2], 'a').write(f'{sys.argv[1]} got {time.monotonic()}\\n')\n"
+              "    time.sleep(0.3)\n"
+              "    open(sys.argv[2], 'a').write(f'{sys.argv[1]} left {time.monotonic()}\\n')\n"
+              "    sys.exit(0)\n"
+              "signal.signal(signal.SIGTERM, stop)\n"
+              "open(sys.argv[2] + '.' + sys.argv[1], 'w').close()\n"
+              "while True: time.sleep(1)\n")
+    children = []
+    for role in ("prefill", "decode", "router"):   # the order `up` starts them in
+        command = [sys.executable, "-c", script, role, str(log)]
+        children.append(Child(role, "", "", command, subprocess.Popen(command)))
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"order.{c.role}").exists() for c in children):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    _stop_all(children)
+    events = [line.split()[:2] for line in log.read_text().splitlines()]
+    assert events == [["router", "got"], ["router", "left"], ["prefill", "got"],
+                      ["prefill", "left"], ["decode", "got"], ["decode", "left"]]
+    assert all(c.process.returncode == 0 for c in children)
