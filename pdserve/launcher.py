@@ -13,6 +13,7 @@ import argparse
 import ctypes
 import dataclasses
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -163,10 +164,13 @@ def _gpu(device: str) -> str:
 
 
 def _host_has_gpu() -> bool:
-    """Whether the NVIDIA driver lists a GPU that CUDA_VISIBLE_DEVICES does not hide; read
-    from /proc, so the launcher itself never imports torch."""
+    """Whether this host has an NVIDIA GPU that CUDA_VISIBLE_DEVICES does not hide: a device
+    node CUDA needs (/dev/nvidia0, ..., present in containers given a GPU) or the driver's list
+    in /proc; read from the file system, so the launcher itself never imports torch."""
     if os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1"):
         return False
+    if any(re.fullmatch(r"nvidia\d+", node.name) for node in Path("/dev").glob("nvidia*")):
+        return True
     gpus = Path("/proc/driver/nvidia/gpus")
     return gpus.is_dir() and any(gpus.iterdir())
 

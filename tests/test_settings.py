@@ -96,6 +96,8 @@ def test_up_resolves_auto_devices_and_router_count_from_the_host(monkeypatch):
         return role_config("decode", build_parser().parse_args(
             ["decode", *plan.worker_argv("decode", 0)])).yield_to_prefill_ms
 
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")   # hides any GPU this host has
+    assert not launcher._host_has_gpu()
     monkeypatch.setattr(launcher, "_host_has_gpu", lambda: False)
     monkeypatch.setattr(launcher.os, "cpu_count", lambda: 16)
     assert yield_ms(plan_for()) == 0
