@@ -5,15 +5,17 @@
 The workload is mini-sglang's `benchmark/offline/bench.py` draw for draw (random.seed(0): 256
 prompts of 100..1024 ids in [0, 10000], 100..1024 output tokens each, temperature 0.6,
 ignore_eos, all submitted at once), so `../shared/peers/minisgl_bench.py` on the same model
-folder measures the very same requests. Clients run in several processes (grpc.aio each), so
-the client is never what limits the figure.
+folder measures the very same requests. Clients run in several processes (grpc.aio each, on
+--connections connections of their own), so the client is never what limits the figure.
+--timeline samples the workers' counters during the run: when prefill finished the burst, when
+decode stepped, yielded or waited.
 
     python bench/throughput.py --model /tmp/q06 --up-args "--kv-cache-gb 40"
     python bench/throughput.py --model /tmp/q06 --up-args "--prefill-devices cuda:0 --decode-devices cuda:1"
     python bench/throughput.py --model /tmp/q06 --peer-json minisgl.json   # adds the ratio
     python bench/throughput.py --model /tmp/q06 --api both   # gRPC, then the OpenAI HTTP API
                                                              # (SSE) on the same cluster
-    python bench/throughput.py --model /tmp/q06 --up-args "--routers 4"
+    python bench/throughput.py --model /tmp/q06 --up-args "--routers 4" --timeline 0.1
 """
 from __future__ import annotations
 
