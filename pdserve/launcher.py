@@ -92,6 +92,7 @@ class ClusterPlan:
             check_engine,
             check_kv_transfer,
             check_port,
+            check_prefill,
         )
 
         launcher = self.launcher
@@ -103,6 +104,7 @@ class ClusterPlan:
         for role, index in self._workers():
             check_device(self.device_of(role, index))
         check_kv_transfer(self.decode)
+        check_prefill(self.prefill)
         local = local_model(self.engine)
         source_config(self.engine, local)
         load_chat_template(self.router.chat_template, local)

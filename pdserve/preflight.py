@@ -6,7 +6,7 @@ import importlib.util
 import socket
 from pathlib import Path
 
-from pdserve.config import DecodeConfig, EngineConfig, ServerConfig
+from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig, ServerConfig
 from pdserve.errors import ConfigError
 
 
@@ -76,6 +76,12 @@ def check_kv_transfer(config: DecodeConfig) -> None:
                           "'pdserve[nixl]'), or use auto or grpc")
     if engine == "cuda_ipc" and config.engine.device == "cpu":
         raise ConfigError("--kv-transfer cuda_ipc needs the KV pool on a CUDA device")
+
+
+def check_prefill(config: PrefillConfig) -> None:
+    if config.chunk_size < 0:
+        raise ConfigError(f"--chunk-size {config.chunk_size}: give a number of prompt tokens "
+                          "per step, or 0 (auto)")
 
 
 def check_port(host: str, port: int, flag: str) -> None:

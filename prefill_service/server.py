@@ -10,10 +10,11 @@ from kv_transfer.base import KVTarget
 from kv_transfer.link import DecodeLinks
 from pdserve.config import PrefillConfig
 from pdserve.engine.runner import ModelRunner
-from pdserve.errors import ConfigError, InvalidRequest, NotPermitted, PdserveError
+from pdserve.errors import InvalidRequest, NotPermitted, PdserveError
 from pdserve.grpc_util import map_errors
 from pdserve.metrics import PrefillMetrics
 from pdserve.models.source import local_model, served_name, source_config
+from pdserve.preflight import check_prefill
 from pdserve.proto_convert import sampling_from_proto, worker_info
 from pdserve.sampling_params import check_sampling, check_token_ids
 from pdserve.security import Identity
@@ -79,9 +80,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
 
 async def serve(config: PrefillConfig) -> None:
     identity = Identity.from_config(config.server)
-    if config.chunk_size < 0:
-        raise ConfigError(f"--chunk-size {config.chunk_size}: must be a number of tokens, or 0 "
-                          "(auto)")
+    check_prefill(config)
     model = source_config(config.engine, local_model(config.engine))
     chunk_size = auto_chunk_size(model) if config.chunk_size == 0 else config.chunk_size
     runner = ModelRunner(config.engine, "prefill", chunk_size)

@@ -42,6 +42,7 @@ def _one_line_error(result: subprocess.CompletedProcess, *words: str) -> None:
     (["--internal-token-file", "/nonexistent/token"], ["--internal-token-file"]),
     (["--decode-devices", "tpu:0"], ["--device 'tpu:0'"]),
     (["--routers", "-1"], ["--routers -1", "0 (auto)"]),
+    (["--chunk-size", "-1"], ["--chunk-size -1", "0 (auto)"]),
 ])
 def test_up_reports_a_mistake_in_one_line(flags, words):
     _one_line_error(_pdserve("up", "--port", str(free_port()), *flags), *words)
@@ -62,6 +63,7 @@ def test_a_backend_that_is_not_installed_is_one_line():
 
 def test_a_worker_with_a_wrong_model_is_one_line():
     _one_line_error(_pdserve("prefill", "--model", "/nonexistent/model"), "--model")
+    _one_line_error(_pdserve("prefill", "--chunk-size", "-1"), "--chunk-size -1")
 
 
 @pytest.mark.parametrize("flag", ["--port", "--http-port"])
