@@ -99,8 +99,7 @@ class PrefillConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     chunk_size: int = setting(0, "most prompt tokens per prefill step, across requests; "
                               "longer prompts are chunked; 0 (auto): by the model's size, "
-                              "2048 (8B) to 8192 (0.6B) tokens, at most a quarter of the KV "
-                              "pool")
+                              "2048 (8B) to 8192 (0.6B) tokens, at most half the KV pool")
     max_queued_requests: int = setting(1024, "prompts waiting for pages before "
                                        "RESOURCE_EXHAUSTED")
     max_queue_wait_s: float = setting(60.0, "a prompt that waits this long without starting "

@@ -83,7 +83,10 @@ async def serve(config: PrefillConfig) -> None:
     check_prefill(config)
     model = source_config(config.engine, local_model(config.engine))
     chunk_size = auto_chunk_size(model) if config.chunk_size == 0 else config.chunk_size
-    runner = ModelRunner(config.engine, "prefill", chunk_size)
+    # Its pool holds at least a prompt of the longest context and a step: the prompt's pages
+    # are all held until its hand-off, and a longer one than the pool is refused.
+    runner = ModelRunner(config.engine, "prefill", chunk_size,
+                         min_pool_tokens=model.max_model_len + chunk_size)
     if config.chunk_size == 0:
         page_size = runner.pool.page_size
         chunk_size = auto_chunk_size(model, runner.pool.allocator.total * page_size, page_size)

@@ -122,9 +122,11 @@ def test_prefill_chunk_auto_follows_the_model_size_and_the_pool():
     assert auto_chunk_size(model_config("qwen3-8b")) == 2048
     assert auto_chunk_size(model_config("qwen3-0.6b")) == 8192
     assert auto_chunk_size(model_config("tiny")) == 8192
-    # At most a quarter of the prefill pool, at least a page.
-    assert auto_chunk_size(model_config("qwen3-0.6b"), pool_tokens=10_000, page_size=16) == 2500
-    assert auto_chunk_size(model_config("qwen3-0.6b"), pool_tokens=32, page_size=16) == 16
+    # At most half the prefill pool in whole pages, at least a page: llama3-8b's pool beside
+    # its weights on an H100 shared with decode (about 6,464 tokens) keeps its 2,048.
+    assert auto_chunk_size(model_config("llama3-8b"), pool_tokens=6464, page_size=16) == 2048
+    assert auto_chunk_size(model_config("qwen3-0.6b"), pool_tokens=10_000, page_size=16) == 4992
+    assert auto_chunk_size(model_config("qwen3-0.6b"), pool_tokens=16, page_size=16) == 16
     assert PrefillConfig().chunk_size == 0   # auto is the default
 
 
@@ -153,3 +155,43 @@ def test_one_finish_rule_and_one_history_rule():
 def test_the_router_does_not_import_torch():
     code = "import sys, router.server; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_an_automatic_gpu_pool_grows_into_the_headroom_towards_its_minimum(monkeypatch):
+    """A prefill pool on a shared GPU holds at least a prompt of the longest context and a
+    step, taking up to 2% of the GPU beyond its share for it (llama3-8b's share of an H100
+    beside decode held only about 6,500 tokens: longer prompts were refused); a minimum out of
+    reach leaves the pool at share + 2%. Run through the CUDA sizing path with the device's
+    memory figures stubbed (no GPU here)."""
+    import torch
+
+    from pdserve.config import EngineConfig
+    from pdserve.engine import runner as runner_module
+    from pdserve.engine.runner import ModelRunner, with_minimum
+    from pdserve.kvcache.pool import KVLayout
+    from pdserve.models.presets import model_config
+
+    gib = 1 << 30
+    assert with_minimum(10 * gib, 4 * gib, 80 * gib) == 10 * gib      # already enough
+    assert with_minimum(1 * gib, 2 * gib, 80 * gib) == 2 * gib        # raised to the minimum
+    assert with_minimum(1 * gib, 20 * gib, 100 * gib) == 3 * gib      # at most 2% of 100 GiB
+
+    total, weights = 85_017_755_648, 8_030_261_248 * 2   # an H100's bytes; llama3-8b's bf16
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total // 2, total))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: weights)
+    cfg = model_config("llama3-8b")
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.model_config, runner.device = cfg, torch.device("cuda", 0)
+    runner.layout = KVLayout(model=cfg.name, dtype="bfloat16", page_size=16,
+                             num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                             head_dim=cfg.head_dim)
+    engine = EngineConfig(gpu_memory_utilization=0.225)   # prefill's share under `up`
+    share = runner._pages_for_budget(engine, torch.bfloat16, 2048) * 16
+    raised = runner._pages_for_budget(engine, torch.bfloat16, 2048, 8192 + 2048) * 16
+    capped = runner._pages_for_budget(engine, torch.bfloat16, 2048, 131072 + 2048) * 16
+    token_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    assert share < 8192   # its share alone: a max-length prompt would be refused
+    assert 8192 + 2048 <= raised < 8192 + 2048 + 16
+    extra = runner_module.MIN_POOL_EXTRA_SHARE * total / token_bytes
+    assert abs(capped - (share + extra)) <= 32

@@ -51,6 +51,19 @@ def auto_kv_bytes(device: torch.device, utilization: float, cfg: ModelConfig,
     return budget
 
 
+# How far an automatic pool may grow past its share of the GPU to reach its minimum (see
+# ModelRunner's ``min_pool_tokens``): taken from the headroom --gpu-memory-utilization leaves.
+MIN_POOL_EXTRA_SHARE = 0.02
+
+
+def with_minimum(budget: int, minimum: int, total: int) -> int:
+    """An automatic KV budget raised towards ``minimum`` bytes, by at most
+    MIN_POOL_EXTRA_SHARE of the GPU's ``total``."""
+    if budget >= minimum:
+        return budget
+    return budget + min(minimum - budget, int(MIN_POOL_EXTRA_SHARE * total))
+
+
 def resolve_device(name: str) -> torch.device:
     """``name`` as a device with an index where it is a GPU (auto: cuda if available)."""
     if name == "auto":
@@ -71,9 +84,12 @@ class ModelRunner:
     """Owns the model, the KV pool and the attention backend of one worker."""
 
     def __init__(self, config: EngineConfig, role: str,
-                 step_tokens: int = ACTIVATION_TOKENS) -> None:
+                 step_tokens: int = ACTIVATION_TOKENS, min_pool_tokens: int = 0) -> None:
         """``step_tokens``: the most tokens one step computes (sizes the activation reserve
-        that an automatic KV pool leaves free)."""
+        that an automatic KV pool leaves free). ``min_pool_tokens``: what an automatic pool on
+        a GPU should hold at least (prefill: a prompt of the longest context and a step, else
+        valid prompts are refused); it may take up to MIN_POOL_EXTRA_SHARE of the GPU beyond
+        its share for that, and warns if even that is short."""
         if config.torch_threads > 0:
             torch.set_num_threads(config.torch_threads)
         self.device = resolve_device(config.device)
@@ -90,7 +106,8 @@ class ModelRunner:
             model=self.model_config.name, dtype=str(dtype).removeprefix("torch."),
             page_size=config.page_size, num_layers=self.model_config.num_layers,
             num_kv_heads=self.model_config.num_kv_heads, head_dim=self.model_config.head_dim)
-        num_pages = config.num_pages or self._pages_for_budget(config, dtype, step_tokens)
+        num_pages = config.num_pages or self._pages_for_budget(config, dtype, step_tokens,
+                                                               min_pool_tokens)
         try:
             self.pool = KVPool(self.layout, num_pages, dtype, self.device)
         except torch.OutOfMemoryError as err:   # another process holds part of the GPU
@@ -120,9 +137,10 @@ class ModelRunner:
         return supported
 
     def _pages_for_budget(self, config: EngineConfig, dtype: torch.dtype,
-                          step_tokens: int) -> int:
+                          step_tokens: int, min_pool_tokens: int = 0) -> int:
         cfg = self.model_config
-        bytes_per_page = (cfg.num_layers * 2 * self.layout.page_size * cfg.num_kv_heads
+        page_size = self.layout.page_size
+        bytes_per_page = (cfg.num_layers * 2 * page_size * cfg.num_kv_heads
                           * cfg.head_dim * torch.empty((), dtype=dtype).element_size())
         gib = kv_cache_gib(config.kv_cache_gb)
         if gib is None:
@@ -131,7 +149,19 @@ class ModelRunner:
             else:
                 budget = auto_kv_bytes(self.device, config.gpu_memory_utilization, cfg,
                                        step_tokens)
-                gib = budget / (1 << 30)
+                minimum = -(-min_pool_tokens // page_size) * bytes_per_page
+                raised = with_minimum(budget, minimum, torch.cuda.mem_get_info(self.device)[1])
+                if raised > budget:
+                    log.info("KV pool raised from %d to %d tokens (beyond --gpu-memory-"
+                             "utilization %g, into its headroom) towards %d", budget
+                             // bytes_per_page * page_size, raised // bytes_per_page * page_size,
+                             config.gpu_memory_utilization, min_pool_tokens)
+                if raised < minimum:
+                    log.warning("KV pool holds %d tokens, short of %d: longer prompts will be "
+                                "refused; lower --max-model-len or give the pool more memory "
+                                "(--gpu-memory-utilization, --kv-cache-gb)",
+                                raised // bytes_per_page * page_size, min_pool_tokens)
+                gib = raised / (1 << 30)
         pages = max(2, int(gib * (1 << 30)) // bytes_per_page)
         log.info("KV pool: %d pages of %d tokens = %d tokens (%.2f GiB%s)", pages,
                  self.layout.page_size, pages * self.layout.page_size,
