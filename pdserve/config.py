@@ -100,6 +100,11 @@ class PrefillConfig:
     chunk_size: int = setting(0, "most prompt tokens per prefill step, across requests; "
                               "longer prompts are chunked; 0 (auto): by the model's size, "
                               "2048 (8B) to 8192 (0.6B) tokens, at most half the KV pool")
+    schedule_policy: str = setting("fcfs", "order waiting prompts start in: fcfs (arrival) or "
+                                   "lof (longest output first: most max_new_tokens first, so a "
+                                   "burst's longest generations start decoding earliest and the "
+                                   "burst ends sooner; a prompt waiting over 5 s goes first, in "
+                                   "arrival order)", choices=("fcfs", "lof"))
     max_queued_requests: int = setting(1024, "prompts waiting for pages before "
                                        "RESOURCE_EXHAUSTED")
     max_queue_wait_s: float = setting(60.0, "a prompt that waits this long without starting "

@@ -1,8 +1,8 @@
 """The prefill scheduler: batches waiting prompts up to a token budget, chunking long ones.
 
-Each step takes up to ``chunk_size`` prompt tokens across requests in arrival order; a prompt
-longer than what is left of the budget continues in the next step, attending to the pages its
-earlier chunks wrote. When a prompt's last chunk is done its first token is sampled and its
+Each step takes up to ``chunk_size`` prompt tokens across requests in arrival order (with
+``--schedule-policy lof``, longest output first); a prompt longer than what is left of the
+budget continues in the next step, attending to the pages its earlier chunks wrote. When a prompt's last chunk is done its first token is sampled and its
 hand-off (prefill_service.handoff) moves its pages into the decode reservation; the prefill
 pages are freed once no write reads them any more, however the request ends.
 
@@ -41,6 +41,10 @@ log = logging.getLogger(__name__)
 # holds few such steps).
 AUTO_CHUNK_FLOPS = 8e12
 AUTO_CHUNK_TOKENS = (2048, 8192)
+
+# --schedule-policy lof: a prompt that has waited this long goes before any longer output,
+# in arrival order (a steady stream of long requests never starves a short one).
+LOF_AGING_S = 5.0
 
 
 def auto_chunk_size(model: ModelConfig, pool_tokens: int | None = None,
@@ -86,8 +90,12 @@ class PrefillTask:
 class PrefillScheduler:
     def __init__(self, runner: ModelRunner, links: DecodeLinks, chunk_size: int, max_queued: int,
                  metrics: PrefillMetrics, layerwise: bool = True,
-                 max_queue_wait_s: float = 60.0, prefix_cache: bool = True) -> None:
+                 max_queue_wait_s: float = 60.0, prefix_cache: bool = True,
+                 policy: str = "fcfs") -> None:
+        if policy not in ("fcfs", "lof"):
+            raise ValueError(f"unknown schedule policy {policy!r}")
         self.runner = runner
+        self.policy = policy
         self.links = links
         self.leases = LeaseKeeper(links)
         self.max_queue_wait_s = max_queue_wait_s
@@ -197,10 +205,12 @@ class PrefillScheduler:
 
     def _admit(self) -> None:
         now = time.monotonic()
-        while self._waiting and now - self._waiting[0].enqueued_at > self.max_queue_wait_s:
-            self.abort(self._waiting[0], Overloaded(
+        for task in [t for t in self._waiting if now - t.enqueued_at > self.max_queue_wait_s]:
+            self.abort(task, Overloaded(
                 f"prefill worker overloaded: a prompt waited {self.max_queue_wait_s:g} s "
                 "without starting"))
+        if self.policy == "lof" and len(self._waiting) > 1:
+            self._waiting = deque(sorted(self._waiting, key=lambda t: _lof_key(t, now)))
         # Only what the next step can take: a prompt admitted later may find its prefix
         # cached by the steps before it (and holds no pages meanwhile).
         budget = self.chunk_size - sum(t.remaining for t in self._running)
@@ -213,7 +223,7 @@ class PrefillScheduler:
             page_set = self.pages.acquire(task.prompt_ids)
             if page_set is None:
                 self._waiting.appendleft(task)
-                break  # first come, first served: later prompts wait behind this one
+                break  # in policy order: later prompts wait behind this one
             task.page_set, task.pages = page_set, page_set.pages
             task.computed = page_set.cached_tokens
             self.metrics.cache_hit_tokens.inc(page_set.cached_tokens)
@@ -356,6 +366,13 @@ class PrefillScheduler:
             task.cancel()
         self._executor.shutdown(wait=False, cancel_futures=True)
         await self.links.close()
+
+
+def _lof_key(task: PrefillTask, now: float) -> tuple[int, int, float]:
+    """Longest output first; prompts waiting over LOF_AGING_S before all, oldest first."""
+    if now - task.enqueued_at > LOF_AGING_S:
+        return (0, 0, task.enqueued_at)
+    return (1, -task.params.max_new_tokens, task.enqueued_at)
 
 
 def _fan_out(writes: list[PageWrite]) -> Callable[[int], None] | None:
