@@ -8,7 +8,6 @@ on a port; the test plays the router (reserve, submit, release)."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 import torch
