@@ -158,16 +158,23 @@ class PageWrite(ABC):
 
     @property
     def done(self) -> bool:
-        """No more layers will be sent and every one sent has landed."""
-        return self.sealed and self.landed()
+        """No more layers will be sent (the step is over, or every layer went) and every one
+        sent has landed."""
+        return (self.sealed or self.layers_sent >= self.num_layers) and self.landed()
 
     def _block_until_landed(self, limit_s: float) -> bool:
         deadline = time.monotonic() + limit_s
         while not self.done:
             if time.monotonic() > deadline:
                 return False
-            time.sleep(POLL_S)
+            self._pause()
         return True
+
+    def _pause(self) -> None:
+        """Waits a little for progress, on a worker thread. An engine that can sleep in its
+        driver until its writes land, without the GIL, does so instead: the prefill step's
+        thread needs the GIL to launch the step's kernels meanwhile."""
+        time.sleep(POLL_S)
 
     async def _until_landed(self, limit_s: float) -> bool:
         """Waits on a thread: the event loop's timers are too coarse (about 1 ms) for a copy
