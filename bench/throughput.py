@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import json
 import multiprocessing
+import os
 import random
 import re
 import signal
@@ -378,6 +379,7 @@ def _row(args: argparse.Namespace, api: str, results: list[dict], wall_s: float,
     expected = sum(outputs)
     row = {
         "label": args.label or args.up_args or "default", "api": api,
+        "up_args": args.up_args, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "model": args.model, "seqs": len(results), "output_tokens": tokens,
         "output_tokens_expected": expected, "wall_s": round(wall_s, 2),
         "throughput_tok_s": round(tokens / wall_s, 1),

@@ -170,6 +170,7 @@ class CudaIpcSender(LayerwiseSender):
         self.pool = pool
         self.copy_pages = copy_pages
         self.stream = torch.cuda.Stream(device=pool.tensor.device)
+        self._devices = {pool.tensor.device}   # where our copies run (decode GPUs too)
 
     async def connect(self, peer: Peer) -> RemotePool:
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
@@ -188,6 +189,7 @@ class CudaIpcSender(LayerwiseSender):
         remote = rebuild_cuda_tensor(*args)  # mapped on its own GPU
         peer_copier = PeerCopier(self.stream, local, remote) if remote.device != local.device \
             else None
+        self._devices.add(remote.device)
         # Compile the copy kernel now, off the event loop, with a copy of the null page onto
         # itself (page 0 is never handed out on either side).
         null = torch.zeros(1, dtype=torch.int32, device=local.device)
@@ -211,3 +213,11 @@ class CudaIpcSender(LayerwiseSender):
     def start_write(self, remote: RemotePool, src_pages: list[int],
                     dst_pages: list[int]) -> PageWrite:
         return _IpcWrite(self, remote, src_pages, dst_pages)
+
+    async def close(self) -> None:
+        """Waits for every copy to land: the mapped pools may be unmapped after this."""
+        def drain() -> None:
+            for device in self._devices:
+                torch.cuda.synchronize(device)
+
+        await asyncio.to_thread(drain)

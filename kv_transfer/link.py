@@ -159,5 +159,8 @@ class DecodeLinks:
             attempt.cancel()
         for sender in self._senders.values():
             await sender.close()
+        # Our references to the decode pools go with the links: an engine that mapped one
+        # (cuda_ipc) unmaps it once they are collected, and its owner then exits clean.
+        self._links.clear()
         for ch in self._channels.values():
             await ch.close()
