@@ -40,12 +40,17 @@ class CudaIpcReceiver(Receiver):
             raise ImportError("cuda_ipc needs the KV pool on a CUDA device")
         from torch.multiprocessing.reductions import reduce_tensor
 
-        rebuild, args = reduce_tensor(pool.tensor)
-        self._metadata = pickle.dumps(args)  # host and GPU travel in the handshake reply
+        self._reduce = reduce_tensor
         self.pool = pool
 
     def metadata(self) -> bytes:
-        return self._metadata
+        """The pool's handle, shared anew for each handshake (host and GPU travel in the reply
+        beside it). Torch counts a consumer's mapping against the share it was sent, and checks
+        those counts when this process frees the pool: one share handed to two prefill workers
+        (or to one and its restart) was released twice, and one never mapped never released, so
+        the decode worker warned at exit that shared CUDA tensors were still in use."""
+        _, args = self._reduce(self.pool.tensor)
+        return pickle.dumps(args)
 
 
 LAYER_GROUPS = 4

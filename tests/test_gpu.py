@@ -213,7 +213,7 @@ def test_prefix_cache_on_gpu_matches_torch_backend():
         stop_cluster(cluster)
 
 
-def test_cluster_on_gpu_matches_torch_backend():
+def test_cluster_on_gpu_matches_torch_backend(capfd):
     cluster = start_cluster(["--model", "small", "--page-size", "16", "--num-pages", "4096",
                              "--cuda-graph-max-bs", "32"])
     reference = ModelRunner(EngineConfig(model="small", page_size=16, num_pages=1024,
@@ -224,6 +224,13 @@ def test_cluster_on_gpu_matches_torch_backend():
         _assert_greedy_like(cluster, reference, (3, 40, 300, 1000), seed=5)
     finally:
         stop_cluster(cluster)
+    _assert_no_ipc_mapping_left(capfd)
+
+
+def _assert_no_ipc_mapping_left(capfd) -> None:  # noqa: ANN001
+    """`up` stops prefill before decode, and prefill unmaps the decode pool (cuda_ipc) as it
+    leaves: the decode worker, which owns that memory, has nothing to warn about at exit."""
+    assert "before all shared CUDA tensors released" not in capfd.readouterr().err
 
 
 def test_tiny_on_gpu_agrees_with_the_cpu_path():
@@ -314,7 +321,7 @@ def test_cluster_with_cuda_ipc_matches_single_process(decode_device, tiny_runner
         cluster.stop()
 
 
-def test_up_with_prefill_and_decode_on_their_own_gpus():
+def test_up_with_prefill_and_decode_on_their_own_gpus(capfd):
     """The deployment the project exists for, started as a user starts it: `pdserve up` with
     prefill on cuda:0 and decode on cuda:1, default flags (CUDA graphs captured on cuda:1)."""
     if torch.cuda.device_count() < 2:
@@ -330,6 +337,7 @@ def test_up_with_prefill_and_decode_on_their_own_gpus():
         _assert_greedy_like(cluster, reference, (5, 300), seed=8)
     finally:
         stop_cluster(cluster)
+    _assert_no_ipc_mapping_left(capfd)
 
 
 def test_sampling_kernel_matches_the_torch_formula():
