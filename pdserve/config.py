@@ -11,6 +11,10 @@ from typing import Any
 # The engines a decode worker may be told to use (kv_transfer.ENGINE_CHOICES: a test keeps
 # them equal).
 KV_TRANSFER_ENGINES = ("auto", "cuda_ipc", "nixl", "grpc")
+# The orders a prefill worker may start waiting prompts in; under lof, a prompt that has waited
+# LOF_AGING_S goes before any longer output (a stream of long requests never starves a short one).
+SCHEDULE_POLICIES = ("fcfs", "lof")
+LOF_AGING_S = 5.0
 
 
 def setting(default: Any, help: str, **argparse_options: Any) -> Any:
@@ -103,8 +107,8 @@ class PrefillConfig:
     schedule_policy: str = setting("fcfs", "order waiting prompts start in: fcfs (arrival) or "
                                    "lof (longest output first: most max_new_tokens first, so a "
                                    "burst's longest generations start decoding earliest and the "
-                                   "burst ends sooner; a prompt waiting over 5 s goes first, in "
-                                   "arrival order)", choices=("fcfs", "lof"))
+                                   f"burst ends sooner; a prompt waiting over {LOF_AGING_S:g} s "
+                                   "goes first, in arrival order)", choices=SCHEDULE_POLICIES)
     max_queued_requests: int = setting(1024, "prompts waiting for pages before "
                                        "RESOURCE_EXHAUSTED")
     max_queue_wait_s: float = setting(60.0, "a prompt that waits this long without starting "

@@ -2,9 +2,10 @@
 
 Each step takes up to ``chunk_size`` prompt tokens across requests in arrival order (with
 ``--schedule-policy lof``, longest output first); a prompt longer than what is left of the
-budget continues in the next step, attending to the pages its earlier chunks wrote. When a prompt's last chunk is done its first token is sampled and its
-hand-off (prefill_service.handoff) moves its pages into the decode reservation; the prefill
-pages are freed once no write reads them any more, however the request ends.
+budget continues in the next step, attending to the pages its earlier chunks wrote. When a
+prompt's last chunk is done its first token is sampled and its hand-off
+(prefill_service.handoff) moves its pages into the decode reservation; the prefill pages are
+freed once no write reads them any more, however the request ends.
 
     loop: admit -> plan -> run the step (layer-wise writes ride along) -> finish what completed
 """
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 
 from kv_transfer.base import PageWrite
 from kv_transfer.link import DecodeLinks
+from pdserve.config import LOF_AGING_S, SCHEDULE_POLICIES
 from pdserve.engine.batch import SeqInput
 from pdserve.engine.runner import ModelRunner
 from pdserve.errors import InvalidRequest, Overloaded
@@ -41,10 +43,6 @@ log = logging.getLogger(__name__)
 # holds few such steps).
 AUTO_CHUNK_FLOPS = 8e12
 AUTO_CHUNK_TOKENS = (2048, 8192)
-
-# --schedule-policy lof: a prompt that has waited this long goes before any longer output,
-# in arrival order (a steady stream of long requests never starves a short one).
-LOF_AGING_S = 5.0
 
 
 def auto_chunk_size(model: ModelConfig, pool_tokens: int | None = None,
@@ -92,7 +90,7 @@ class PrefillScheduler:
                  metrics: PrefillMetrics, layerwise: bool = True,
                  max_queue_wait_s: float = 60.0, prefix_cache: bool = True,
                  policy: str = "fcfs") -> None:
-        if policy not in ("fcfs", "lof"):
+        if policy not in SCHEDULE_POLICIES:
             raise ValueError(f"unknown schedule policy {policy!r}")
         self.runner = runner
         self.policy = policy
