@@ -191,6 +191,7 @@ TIMELINE_SERIES = (
     ("prefill_tokens", "prefill", "pdserve_prefill_computed_tokens_total"),
     ("prefill_steps", "prefill", "pdserve_step_duration_seconds_count"),
     ("prefill_busy_s", "prefill", "pdserve_step_duration_seconds_sum"),
+    ("prefill_launch_s", "prefill", "pdserve_prefill_launch_seconds_sum"),
     ("prefill_running", "prefill", "pdserve_running_requests"),
     ("prefill_queued", "prefill", "pdserve_queued_requests"),
 )
@@ -277,6 +278,7 @@ class Timeline:
                 "prefill_last_tokens_s": prefill_last,
                 "prefill_steps": rows[-1][keys.index("prefill_steps")],
                 "prefill_busy_s": round(rows[-1][keys.index("prefill_busy_s")], 3),
+                "prefill_launch_s": round(rows[-1][keys.index("prefill_launch_s")], 3),
                 "columns": keys, "samples": rows}
 
 

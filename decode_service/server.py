@@ -178,7 +178,8 @@ async def serve(config: DecodeConfig) -> None:
                              metrics=metrics)
     metrics.watch_pool(runner.pool.allocator, lambda: table.held_pages)
     loop = DecodeLoop(DecodeSteps(runner, config.max_running_requests), table,
-                      config.max_running_requests, metrics, overlap=config.overlap_scheduling,
+                      config.max_running_requests, metrics,
+                      overlap=config.engine.overlap_scheduling,
                       yield_to_prefill_s=max(0.0, config.yield_to_prefill_ms) / 1000)
     # Prefill workers write KV into our KVTransferService: on the main port, or on a port of its
     # own so a NetworkPolicy can open it to prefill pods alone.

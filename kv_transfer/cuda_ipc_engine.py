@@ -24,6 +24,7 @@ import torch
 
 from kv_transfer import host_identity, local_device_index
 from kv_transfer.base import LayerwiseSender, PageWrite, Peer, Receiver, TransferSink
+from pdserve.engine.batch import to_device
 from pdserve.errors import TransferFailed
 from pdserve.kvcache.pool import KVPool
 
@@ -119,10 +120,9 @@ class _IpcWrite(PageWrite):
         self.sender = sender
         self.remote = remote.tensor
         self.peer = remote.peer_copier
-        self.src = torch.tensor(src_pages, dtype=torch.int32).to(sender.pool.tensor.device,
-                                                                  non_blocking=True)
-        self.dst = torch.tensor(dst_pages, dtype=torch.int32).to(self.remote.device,
-                                                                  non_blocking=True)
+        # Made while the step before still runs: uploads that do not wait for it.
+        self.src = to_device(torch.tensor(src_pages, dtype=torch.int32), sender.pool.tensor.device)
+        self.dst = to_device(torch.tensor(dst_pages, dtype=torch.int32), self.remote.device)
         # Blocking sync: a thread waiting on it sleeps in the driver, without the GIL.
         self.event = torch.cuda.Event(blocking=True)
 

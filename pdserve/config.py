@@ -66,6 +66,9 @@ class EngineConfig(ModelSource):
                                   "Triton kernel")
     triton_gemv: bool = setting(True, "inside CUDA graphs, batch-1 linear layers as a Triton "
                                 "GEMV (else cuBLAS)")
+    overlap_scheduling: bool = setting(True, "prepare and launch step n+1 while step n runs on "
+                                       "the GPU, prefill and decode alike (the host learns a "
+                                       "step's tokens one step late)")
 
 
 @dataclass
@@ -125,9 +128,6 @@ class DecodeConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     max_running_requests: int = setting(256, "largest decode batch")
-    overlap_scheduling: bool = setting(True, "prepare and launch decode step n+1 while step n "
-                                       "runs on the GPU (the host learns a step's tokens one "
-                                       "step late)")
     yield_to_prefill_ms: float = setting(
         -1.0, "on a GPU shared with a prefill worker, hold the next decode step back up to this "
         "long while prompts reserved here are being prefilled, so prefill runs first (as one "

@@ -151,6 +151,11 @@ class PrefillMetrics(WorkerMetrics):
                                          "Prompt tokens in one prefill step", buckets=TOKEN_BUCKETS)
         self.batch_requests = self._metric(Histogram, "pdserve_prefill_batch_size_requests",
                                            "Requests in one prefill step", buckets=BATCH_BUCKETS)
+        self.launch_duration = self._metric(
+            Histogram, "pdserve_prefill_launch_seconds",
+            "Host time to prepare and launch one prefill step (its inputs, kernels and "
+            "layer-wise sends); near the step's duration, prefill waits on the host",
+            buckets=LATENCY_BUCKETS_S)
         self.transfer_duration = self._metric(
             Histogram, "pdserve_kv_transfer_duration_seconds",
             "The hand-off: from the end of a prompt's last prefill step until its KV has "

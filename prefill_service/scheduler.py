@@ -7,7 +7,14 @@ prompt's last chunk is done its first token is sampled and its hand-off
 (prefill_service.handoff) moves its pages into the decode reservation; the prefill pages are
 freed once no write reads them any more, however the request ends.
 
-    loop: admit -> plan -> run the step (layer-wise writes ride along) -> finish what completed
+    loop: admit -> plan -> launch the step (layer-wise writes ride along), then collect the one
+          before it -> finish what completed
+
+With overlap scheduling (the default) a step is launched before the step ahead of it is
+collected: the GPU runs step n while the host prepares and launches step n+1, and learns step
+n's first tokens afterwards. A step's inputs never depend on the step before's outputs (a
+prompt's next chunk attends to KV that the earlier step writes first, in stream order), so the
+tokens are exactly those of one step at a time.
 """
 from __future__ import annotations
 
@@ -23,7 +30,7 @@ from kv_transfer.base import PageWrite
 from kv_transfer.link import DecodeLinks
 from pdserve.config import LOF_AGING_S, SCHEDULE_POLICIES
 from pdserve.engine.batch import SeqInput
-from pdserve.engine.runner import ModelRunner
+from pdserve.engine.runner import LaunchedStep, ModelRunner
 from pdserve.errors import InvalidRequest, Overloaded
 from pdserve.kvcache.prefix_pages import PrefixPages, PromptPages
 from pdserve.metrics import PrefillMetrics
@@ -75,6 +82,7 @@ class PrefillTask:
     pages: list[int] = field(default_factory=list)
     page_set: PromptPages | None = None            # what owns those pages
     computed: int = 0                              # prompt tokens already in the pool
+    scheduled: int = 0                             # ... or in a step launched or planned
     started: bool = False                          # a step has taken some of its tokens
     aborted: bool = False
     transfer: asyncio.Task | None = None           # the hand-off after the last step
@@ -84,16 +92,34 @@ class PrefillTask:
     def remaining(self) -> int:
         return len(self.prompt_ids) - self.computed
 
+    @property
+    def unscheduled(self) -> int:
+        """Prompt tokens no step has taken yet."""
+        return len(self.prompt_ids) - self.scheduled
+
+
+@dataclass(eq=False)
+class PrefillStep:
+    """One step from its plan to its collected first tokens."""
+
+    plan: list[tuple[PrefillTask, int]]            # each task and the prompt tokens it computes
+    writes: list[PageWrite]                        # layer-wise hand-offs riding along
+    launched: LaunchedStep | None = None
+    tokens: list[int] | None = None                # one per task; None if the step failed
+    error: Exception | None = None
+    launched_at: float = 0.0
+
 
 class PrefillScheduler:
     def __init__(self, runner: ModelRunner, links: DecodeLinks, chunk_size: int, max_queued: int,
                  metrics: PrefillMetrics, layerwise: bool = True,
                  max_queue_wait_s: float = 60.0, prefix_cache: bool = True,
-                 policy: str = "fcfs") -> None:
+                 policy: str = "fcfs", overlap: bool = True) -> None:
         if policy not in SCHEDULE_POLICIES:
             raise ValueError(f"unknown schedule policy {policy!r}")
         self.runner = runner
         self.policy = policy
+        self.overlap = overlap
         self.links = links
         self.leases = LeaseKeeper(links)
         self.max_queue_wait_s = max_queue_wait_s
@@ -105,7 +131,8 @@ class PrefillScheduler:
         self._waiting: deque[PrefillTask] = deque()    # no pages yet
         self._running: list[PrefillTask] = []           # pages held, prompt not done
         self._transferring: set[PrefillTask] = set()
-        self._in_step: set[PrefillTask] = set()
+        self._in_flight: list[PrefillStep] = []        # planned, not yet collected (two at most)
+        self._last_collected = time.perf_counter()
         self._wake = asyncio.Event()
         self._background: set[asyncio.Task] = set()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="prefill-step")
@@ -126,6 +153,11 @@ class PrefillScheduler:
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
+
+    @property
+    def _in_step(self) -> set[PrefillTask]:
+        """Tasks a step in flight computes: their pages are written until it is collected."""
+        return {task for step in self._in_flight for task, _ in step.plan}
 
     @property
     def queued_tokens(self) -> int:
@@ -190,16 +222,23 @@ class PrefillScheduler:
             lease_task.cancel()
 
     async def _loop(self) -> None:
+        in_flight: PrefillStep | None = None        # launched, not yet collected
         while True:
             self._admit()
             self._publish_load()
-            plan = self._plan_step()
-            if not plan:
+            step = self._plan_step()
+            if step is None and in_flight is None:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            tokens = await self._run_step(plan)
-            self._finish_step(plan, tokens)
+            if self.overlap:
+                await self._launch_and_collect(step, in_flight)
+                finished, in_flight = in_flight, step
+            else:
+                await self._launch_and_collect(step, step)
+                finished = step
+            if finished is not None:
+                self._finish_step(finished)
 
     def _admit(self) -> None:
         now = time.monotonic()
@@ -211,7 +250,7 @@ class PrefillScheduler:
             self._waiting = deque(sorted(self._waiting, key=lambda t: _lof_key(t, now)))
         # Only what the next step can take: a prompt admitted later may find its prefix
         # cached by the steps before it (and holds no pages meanwhile).
-        budget = self.chunk_size - sum(t.remaining for t in self._running)
+        budget = self.chunk_size - sum(t.unscheduled for t in self._running)
         deferred: list[PrefillTask] = []
         while self._waiting and budget > 0:
             task = self._waiting.popleft()
@@ -223,10 +262,10 @@ class PrefillScheduler:
                 self._waiting.appendleft(task)
                 break  # in policy order: later prompts wait behind this one
             task.page_set, task.pages = page_set, page_set.pages
-            task.computed = page_set.cached_tokens
+            task.computed = task.scheduled = page_set.cached_tokens
             self.metrics.cache_hit_tokens.inc(page_set.cached_tokens)
             self._running.append(task)
-            budget -= task.remaining
+            budget -= task.unscheduled
         self._waiting.extendleft(reversed(deferred))
 
     def _computing_its_next_page(self, task: PrefillTask) -> bool:
@@ -247,22 +286,20 @@ class PrefillScheduler:
                    and other.prompt_ids[end - page_size:end] == head[end - page_size:]
                    and other.prompt_ids[:end] == head for other in self._running)
 
-    def _plan_step(self) -> list[tuple[PrefillTask, int]]:
+    def _plan_step(self) -> PrefillStep | None:
+        """The next step: up to chunk_size prompt tokens no step has taken, running prompts in
+        order; a prompt whose last chunk it takes starts its layer-wise hand-off."""
         budget = self.chunk_size
         plan = []
         for task in self._running:
             if budget == 0:
                 break
-            take = min(task.remaining, budget)
-            plan.append((task, take))
-            budget -= take
-        return plan
-
-    async def _run_step(self, plan: list[tuple[PrefillTask, int]]) -> list[int] | None:
-        """One forward over the plan's chunks; the sampled first tokens (None if it failed)."""
-        seqs = [SeqInput(t.prompt_ids[t.computed:t.computed + n], t.computed, t.pages)
-                for t, n in plan]
-        rows = [sample_row(t.params, t.prompt_ids, [], t.output_offset) for t, _ in plan]
+            take = min(task.unscheduled, budget)
+            if take:
+                plan.append((task, take))
+                budget -= take
+        if not plan:
+            return None
         now = time.monotonic()
         for task, _ in plan:
             if not task.started:
@@ -270,32 +307,69 @@ class PrefillScheduler:
                 self.metrics.queue_wait.observe(now - task.enqueued_at)
         self.metrics.batch_tokens.observe(sum(n for _, n in plan))
         self.metrics.batch_requests.observe(len(plan))
-        writes = [w for t, n in plan if n == t.remaining and self.layerwise
+        writes = [w for t, n in plan if n == t.unscheduled and self.layerwise
                   for w in [t.handoff.start_layerwise(t.pages)] if w is not None]
-        self._in_step = {t for t, _ in plan}
-        step_started = time.perf_counter()
-        try:
-            result = await asyncio.get_running_loop().run_in_executor(
-                self._executor, self.runner.step, seqs, rows, _fan_out(writes))
-            return result.tokens
-        except Exception as err:
-            log.exception("prefill step failed; failing its %d requests", len(plan))
-            for task, _ in plan:
-                if not task.result.done():
-                    task.result.set_exception(err)
-            return None
-        finally:
-            self._in_step = set()
-            for write in writes:
-                write.sealed = True
-            self.metrics.step_duration.observe(time.perf_counter() - step_started)
+        for task, take in plan:
+            task.scheduled += take
+        step = PrefillStep(plan, writes)
+        self._in_flight.append(step)
+        return step
 
-    def _finish_step(self, plan: list[tuple[PrefillTask, int]], tokens: list[int] | None) -> None:
-        for (task, taken), token in zip(plan, tokens or [None] * len(plan)):
-            if task.aborted or token is None:
+    async def _launch_and_collect(self, launch: PrefillStep | None,
+                                  collect: PrefillStep | None) -> None:
+        """On the step's thread: launches ``launch``, then waits for ``collect``'s tokens (the
+        same step without overlap)."""
+        def run() -> None:
+            if launch is not None:
+                self._launch(launch)
+            if collect is not None:
+                self._collect(collect)
+
+        await asyncio.get_running_loop().run_in_executor(self._executor, run)
+
+    def _launch(self, step: PrefillStep) -> None:
+        seqs = [SeqInput(t.prompt_ids[t.scheduled - n:t.scheduled], t.scheduled - n, t.pages)
+                for t, n in step.plan]
+        rows = [sample_row(t.params, t.prompt_ids, [], t.output_offset) for t, _ in step.plan]
+        step.launched_at = time.perf_counter()
+        try:
+            step.launched = self.runner.launch(seqs, rows, _fan_out(step.writes))
+        except Exception as err:  # noqa: BLE001 - its requests fail when it is collected
+            step.error = err
+        finally:
+            for write in step.writes:
+                write.sealed = True
+        self.metrics.launch_duration.observe(time.perf_counter() - step.launched_at)
+
+    def _collect(self, step: PrefillStep) -> None:
+        try:
+            if step.error is None:
+                step.tokens = step.launched.result().tokens  # type: ignore[union-attr]
+        except Exception as err:  # noqa: BLE001
+            step.error = err
+        collected = time.perf_counter()
+        # The step's share of the wall time: from its launch, or from the step before it if
+        # that ended later (the two overlap).
+        self.metrics.step_duration.observe(collected - max(step.launched_at,
+                                                           self._last_collected))
+        self._last_collected = collected
+
+    def _finish_step(self, step: PrefillStep) -> None:
+        self._in_flight.remove(step)
+        if step.error is not None:
+            log.error("prefill step failed; failing its %d requests", len(step.plan),
+                      exc_info=step.error)
+        later = self._in_step          # tasks a step still in flight computes
+        for (task, taken), token in zip(step.plan, step.tokens or [None] * len(step.plan)):
+            if token is None and not task.aborted:
+                task.aborted = True
+                if not task.result.done():
+                    task.result.set_exception(step.error or RuntimeError("prefill step failed"))
+            if task.aborted:
                 if task in self._running:
                     self._running.remove(task)
-                self._release(task)
+                if task not in later:  # else that step's collection frees them
+                    self._release(task)
                 continue
             task.computed += taken
             self.metrics.computed_tokens.inc(taken)

@@ -99,7 +99,8 @@ async def serve(config: PrefillConfig) -> None:
                                  metrics, layerwise=config.layerwise_transfer,
                                  max_queue_wait_s=config.max_queue_wait_s,
                                  prefix_cache=not config.disable_prefix_cache,
-                                 policy=config.schedule_policy)
+                                 policy=config.schedule_policy,
+                                 overlap=config.engine.overlap_scheduling)
     server.add(prefill_pb2_grpc.add_PrefillServiceServicer_to_server,
                PrefillServicer(runner, scheduler, worker, identity),
                [prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name])

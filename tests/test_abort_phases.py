@@ -53,8 +53,9 @@ class Gated(KVTransferServicer):
         return reply
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 @pytest.mark.parametrize("phase", PHASES)
-def test_aborting_at_each_phase_frees_both_sides(phase, tiny_runner):
+def test_aborting_at_each_phase_frees_both_sides(phase, overlap, tiny_runner):
     async def scenario():
         src = tiny_runner.pool
         dst = KVPool(src.layout, 1024, src.tensor.dtype, torch.device("cpu"))
@@ -68,7 +69,8 @@ def test_aborting_at_each_phase_frees_both_sides(phase, tiny_runner):
         links = DecodeLinks(src, timeout_s=10)
         # Small chunks: a long prompt takes many steps (others queue behind it meanwhile).
         scheduler = PrefillScheduler(tiny_runner, links, chunk_size=16, max_queued=8,
-                                     metrics=PrefillMetrics("t"), prefix_cache=False)
+                                     metrics=PrefillMetrics("t"), prefix_cache=False,
+                                     overlap=overlap)
         loop_task = asyncio.create_task(scheduler.run())
         src_free, dst_free = src.allocator.num_free, dst.allocator.num_free
 

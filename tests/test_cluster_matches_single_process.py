@@ -4,7 +4,7 @@ from __future__ import annotations
 import random
 from concurrent.futures import ThreadPoolExecutor
 
-from conftest import generate
+from conftest import generate, start_cluster, stop_cluster
 
 from pdserve.engine import local
 from pdserve.sampling_params import SamplingParams
@@ -20,9 +20,12 @@ def _prompts(seed: int) -> list[list[int]]:
 
 
 def test_sixteen_concurrent_requests_match_single_process_greedy(cluster, tiny_runner):
+    _check_greedy_burst(cluster.stub(), tiny_runner)
+
+
+def _check_greedy_burst(stub, tiny_runner) -> None:  # noqa: ANN001
     prompts = _prompts(0)
     max_new = [12 + i for i in range(len(prompts))]
-    stub = cluster.stub()
 
     def run(i: int):
         sampling = generate_pb2.SamplingParams(max_new_tokens=max_new[i], ignore_eos=True)
@@ -41,9 +44,12 @@ def test_sixteen_concurrent_requests_match_single_process_greedy(cluster, tiny_r
 
 
 def test_sampled_requests_match_single_process_with_same_seed(cluster, tiny_runner):
+    _check_sampled_burst(cluster.stub(), tiny_runner)
+
+
+def _check_sampled_burst(stub, tiny_runner) -> None:  # noqa: ANN001
     prompts = _prompts(1)[:6]
     settings = dict(temperature=0.9, top_p=0.9, top_k=50, min_p=0.02, repetition_penalty=1.3)
-    stub = cluster.stub()
 
     def run(i: int):
         sampling = generate_pb2.SamplingParams(max_new_tokens=10, seed=1000 + i, ignore_eos=True,
@@ -68,3 +74,15 @@ def test_eos_stops_generation_like_single_process(cluster, tiny_runner):
     assert ids == expected
     assert finish == (generate_pb2.FINISH_REASON_STOP if expected[-1] == 257
                       else generate_pb2.FINISH_REASON_LENGTH)
+
+
+def test_without_overlap_scheduling_requests_match_single_process(tiny_runner):
+    # The shared cluster overlaps its steps (the default) in prefill and decode; this one runs
+    # one step at a time in both, and gives the same tokens.
+    own = start_cluster(["--no-overlap-scheduling"])
+    try:
+        _check_greedy_burst(own.stub(), tiny_runner)
+        _check_sampled_burst(own.stub(), tiny_runner)
+        assert own.wait_all_pages_free(), own.free_pages()
+    finally:
+        assert stop_cluster(own) == 0

@@ -1,7 +1,8 @@
 """--schedule-policy: the order waiting prompts start prefill in. fcfs keeps arrival order; lof
 starts the longest outputs first (so a burst's longest generations start decoding earliest),
 except that a prompt waiting over LOF_AGING_S goes before them all. Whatever the order, every
-page comes back.
+page comes back. And the order steps run in: with overlap scheduling step n+1 is launched
+before step n is collected, without it each step is collected before the next is launched.
 
 A real prefill scheduler (the tiny model in this process) hands off to a real KVTransferService
 on a port; the test plays the router (reserve, submit, release)."""
@@ -29,18 +30,34 @@ ARRIVALS = [("a", 8), ("b", 40), ("c", 4), ("d", 24), ("e", 40)]
 
 
 class Recording(PrefillScheduler):
-    """Notes the order prompts take their first step in."""
+    """Notes the order prompts take their first step in, and the order steps are launched and
+    collected in."""
 
     def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
         super().__init__(*args, **kwargs)
         self.started: list[str] = []
+        self.events: list[tuple[str, int]] = []
+        self.launched = 0
 
-    async def _run_step(self, plan):  # noqa: ANN001
-        self.started += [task.request_id for task, _ in plan if not task.started]
-        return await super()._run_step(plan)
+    def _launch(self, step):  # noqa: ANN001, ANN202
+        step.number, self.launched = self.launched, self.launched + 1
+        self.events.append(("launch", step.number))
+        return super()._launch(step)
+
+    def _collect(self, step):  # noqa: ANN001, ANN202
+        self.events.append(("collect", step.number))
+        return super()._collect(step)
+
+    def _plan_step(self):  # noqa: ANN202
+        fresh = [task for task in self._running if not task.started]
+        step = super()._plan_step()
+        if step is not None:
+            self.started += [task.request_id for task, _ in step.plan if task in fresh]
+        return step
 
 
-async def _serve_burst(runner, policy: str, aged: str = "") -> list[str]:  # noqa: ANN001
+async def _serve_burst(runner, policy: str, aged: str = "",  # noqa: ANN001
+                       overlap: bool = True) -> Recording:
     src = runner.pool
     dst = KVPool(src.layout, 2048, src.tensor.dtype, torch.device("cpu"))
     table = ReservationTable(dst, max_queued=16, wait_s=5.0, lease_timeout_s=60.0,
@@ -53,7 +70,8 @@ async def _serve_burst(runner, policy: str, aged: str = "") -> list[str]:  # noq
     links = DecodeLinks(src, timeout_s=30)
     # Steps of 16 tokens take one 16-token prompt each: the start order is the policy's.
     scheduler = Recording(runner, links, chunk_size=16, max_queued=16,
-                          metrics=PrefillMetrics("t"), prefix_cache=False, policy=policy)
+                          metrics=PrefillMetrics("t"), prefix_cache=False, policy=policy,
+                          overlap=overlap)
     loop_task = asyncio.create_task(scheduler.run())
     src_free, dst_free = src.allocator.num_free, dst.allocator.num_free
 
@@ -82,7 +100,7 @@ async def _serve_burst(runner, policy: str, aged: str = "") -> list[str]:  # noq
             await asyncio.sleep(0.01)
         assert src.allocator.num_free == src_free and scheduler.held_pages == 0
         assert dst.allocator.num_free == dst_free and table.held_pages == 0
-        return scheduler.started
+        return scheduler
     finally:
         loop_task.cancel()
         await scheduler.shutdown()
@@ -96,7 +114,22 @@ async def _serve_burst(runner, policy: str, aged: str = "") -> list[str]:  # noq
 ], ids=["fcfs", "lof", "lof-aged"])
 def test_prompts_start_in_the_policy_order_and_free_every_page(tiny_runner, policy, aged,
                                                                  expected):
-    assert asyncio.run(_serve_burst(tiny_runner, policy, aged)) == expected
+    assert asyncio.run(_serve_burst(tiny_runner, policy, aged)).started == expected
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_steps_overlap_only_with_overlap_scheduling(tiny_runner, overlap):
+    events = asyncio.run(_serve_burst(tiny_runner, "fcfs", overlap=overlap)).events
+    steps = len(events) // 2
+    assert steps > 100 and sorted(events) == sorted(
+        [(kind, i) for i in range(steps) for kind in ("launch", "collect")])
+    if overlap:   # the next step is on the GPU before the host learns this one's tokens
+        assert events.index(("launch", 1)) < events.index(("collect", 0))
+        launched_ahead = sum(events.index(("launch", i + 1)) < events.index(("collect", i))
+                             for i in range(steps - 1))
+        assert launched_ahead > steps // 2
+    else:
+        assert events == [(kind, i) for i in range(steps) for kind in ("launch", "collect")]
 
 
 def test_an_unknown_policy_is_refused(tiny_runner):

@@ -12,6 +12,16 @@ if TYPE_CHECKING:
     from pdserve.engine.decode_slots import DecodeSlots
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` copied to ``device`` without the host waiting for the GPU: on CUDA through
+    pinned memory, which torch holds until the copy has run (a copy from pageable memory may
+    wait for the stream's earlier work, and a blocking one always does). A step can then be
+    prepared while the one before it still runs."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class SeqInput:
     """One sequence's part of a step: ``token_ids`` at positions ``start_pos ...``."""
@@ -85,14 +95,14 @@ class ForwardBatch:
         cu_seqlens_q = cu.to(torch.int32)
         return cls(
             is_decode=all(n == 1 for n in lens_q) and any(s.start_pos > 0 for s in seqs),
-            input_ids=input_ids.to(device),
-            positions=positions.to(device),
-            seq_ids=seq_ids.to(device),
-            cu_seqlens_q=cu_seqlens_q.to(device),
-            seq_lens_kv=seq_lens_kv.to(device),
-            page_table=page_table.to(device),
-            out_slots=out_slots.to(device),
-            logits_indices=(cu[1:] - 1).to(device),
+            input_ids=to_device(input_ids, device),
+            positions=to_device(positions, device),
+            seq_ids=to_device(seq_ids, device),
+            cu_seqlens_q=to_device(cu_seqlens_q, device),
+            seq_lens_kv=to_device(seq_lens_kv, device),
+            page_table=to_device(page_table, device),
+            out_slots=to_device(out_slots, device),
+            logits_indices=to_device(cu[1:] - 1, device),
             max_seqlen_q=max(lens_q),
             max_seqlen_kv=max(lens_kv),
             page_size=page_size,
@@ -119,14 +129,15 @@ class ForwardBatch:
         rows = torch.arange(n, dtype=torch.long)
         return cls(
             is_decode=any(p > 0 for p in positions),
-            input_ids=torch.tensor([s.token_ids[0] for s in seqs], dtype=torch.long).to(device),
-            positions=torch.tensor(positions, dtype=torch.long).to(device),
-            seq_ids=rows.to(device),
-            cu_seqlens_q=cu_seqlens_q.to(device),
-            seq_lens_kv=seq_lens_kv.to(device),
-            page_table=page_table.to(device),
-            out_slots=torch.tensor(slots, dtype=torch.long).to(device),
-            logits_indices=rows.to(device),
+            input_ids=to_device(torch.tensor([s.token_ids[0] for s in seqs], dtype=torch.long),
+                                device),
+            positions=to_device(torch.tensor(positions, dtype=torch.long), device),
+            seq_ids=to_device(rows, device),
+            cu_seqlens_q=to_device(cu_seqlens_q, device),
+            seq_lens_kv=to_device(seq_lens_kv, device),
+            page_table=to_device(page_table, device),
+            out_slots=to_device(torch.tensor(slots, dtype=torch.long), device),
+            logits_indices=to_device(rows, device),
             max_seqlen_q=1,
             max_seqlen_kv=max(positions) + 1,
             page_size=page_size,

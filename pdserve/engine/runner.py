@@ -195,10 +195,39 @@ class ModelRunner:
             return self.model(batch, self.attn)
 
     @torch.inference_mode()
-    def step(self, seqs: list[SeqInput], rows: list[SampleRow],
-             on_layer: Callable[[int], None] | None = None, eager: bool = False) -> StepResult:
-        """Runs one step and samples one token per sequence."""
+    def launch(self, seqs: list[SeqInput], rows: list[SampleRow],
+               on_layer: Callable[[int], None] | None = None,
+               eager: bool = False) -> LaunchedStep:
+        """Enqueues one step and its sampling; returns before the GPU has run it (nothing here
+        waits for the GPU), so the next step can be prepared meanwhile."""
         mode = "cuda_graph" if self.graph_mode(seqs, on_layer, eager) else "eager"
         with self.on_device():
             tokens = sample(self.forward(seqs, on_layer, eager), rows)
-        return StepResult(tokens.tolist(), mode)  # the step's one host sync: the chosen ids
+            if self.device.type != "cuda":
+                return LaunchedStep(tokens, None, mode)
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            # Blocking sync: the thread that waits for it sleeps in the driver, without the GIL.
+            done = torch.cuda.Event(blocking=True)
+            done.record()
+        return LaunchedStep(host, done, mode)
+
+    def step(self, seqs: list[SeqInput], rows: list[SampleRow],
+             on_layer: Callable[[int], None] | None = None, eager: bool = False) -> StepResult:
+        """Runs one step and samples one token per sequence."""
+        return self.launch(seqs, rows, on_layer, eager).result()
+
+
+@dataclass
+class LaunchedStep:
+    """A step on its way through the GPU: its sampled ids arrive in ``tokens``."""
+
+    tokens: torch.Tensor                 # [batch] int64 on the host (pinned on CUDA)
+    done: torch.cuda.Event | None        # recorded after the copy to ``tokens``; None on the CPU
+    mode: str
+
+    def result(self) -> StepResult:
+        """Waits for the step (the step's one host sync: the chosen ids)."""
+        if self.done is not None:
+            self.done.synchronize()
+        return StepResult(self.tokens.tolist(), self.mode)
