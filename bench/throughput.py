@@ -314,6 +314,8 @@ def main() -> None:
     parser.add_argument("--label", default="", help="name of this configuration in the JSON")
     parser.add_argument("--out", default="bench/results/throughput.json")
     args = parser.parse_args()
+    if args.peer_json and not Path(args.peer_json).is_file():
+        parser.error(f"--peer-json {args.peer_json}: no such file")
 
     prompts, outputs = workload(args.num_seqs, args.max_input, args.max_output)
     process = None

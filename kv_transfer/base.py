@@ -94,6 +94,10 @@ class Sender(ABC):
     async def close(self) -> None:
         """Frees what the engine holds."""
 
+    def still_mapped(self) -> list[str]:
+        """After close: what still holds remote memory the engine mapped (none by default)."""
+        return []
+
 
 class LayerwiseSender(Sender):
     """A one-sided engine: writes straight into the decode pool, so each layer can leave while

@@ -15,9 +15,11 @@ The handle travels pickled: both ends are our own processes on one host, behind 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import pickle
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -176,6 +178,7 @@ class CudaIpcSender(LayerwiseSender):
         self.copy_pages = copy_pages
         self.stream = torch.cuda.Stream(device=pool.tensor.device)
         self._devices = {pool.tensor.device}   # where our copies run (decode GPUs too)
+        self._mapped: list[weakref.ref] = []    # the decode pools we mapped, to check they go
 
     async def connect(self, peer: Peer) -> RemotePool:
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
@@ -192,6 +195,7 @@ class CudaIpcSender(LayerwiseSender):
                 "needs the decode GPU visible here (CUDA_VISIBLE_DEVICES); use nixl or grpc")
         args[6] = device  # the storage's device, as numbered in this process
         remote = rebuild_cuda_tensor(*args)  # mapped on its own GPU
+        self._mapped.append(weakref.ref(remote))
         peer_copier = PeerCopier(self.stream, local, remote) if remote.device != local.device \
             else None
         self._devices.add(remote.device)
@@ -226,3 +230,10 @@ class CudaIpcSender(LayerwiseSender):
                 torch.cuda.synchronize(device)
 
         await asyncio.to_thread(drain)
+
+    def still_mapped(self) -> list[str]:
+        """What still holds a decode pool we mapped (after our links have dropped theirs): its
+        owner warns at exit about a mapping never released."""
+        gc.collect()
+        return [", ".join(sorted({type(r).__name__ for r in gc.get_referrers(tensor)}))
+                for tensor in (ref() for ref in self._mapped) if tensor is not None]

@@ -162,5 +162,9 @@ class DecodeLinks:
         # Our references to the decode pools go with the links: an engine that mapped one
         # (cuda_ipc) unmaps it once they are collected, and its owner then exits clean.
         self._links.clear()
+        for sender in self._senders.values():
+            for holders in sender.still_mapped():
+                log.warning("a decode pool is still mapped after the links closed, held by: %s",
+                            holders)
         for ch in self._channels.values():
             await ch.close()
