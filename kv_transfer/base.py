@@ -94,9 +94,10 @@ class Sender(ABC):
     async def close(self) -> None:
         """Frees what the engine holds."""
 
-    def still_mapped(self) -> list[str]:
-        """After close: what still holds remote memory the engine mapped (none by default)."""
-        return []
+    def still_mapped(self) -> int:
+        """After close: remote memory regions the engine mapped and still holds (none by
+        default)."""
+        return 0
 
 
 class LayerwiseSender(Sender):
@@ -143,9 +144,45 @@ class PageWrite(ABC):
                 self._send(layer)
             except Exception as err:  # noqa: BLE001 - reported by wait()
                 self.error = err
+        self._layer_sent()
+
+    def _layer_sent(self) -> None:
         self.layers_sent += 1
         if self.layers_sent == self.num_layers and self.error is None and self.on_sent:
             self.on_sent()
+
+    @staticmethod
+    def fan_out(writes: list[PageWrite]) -> Callable[[int], None] | None:
+        """A prefill step's per-layer hook for all its layer-wise writes. Writes of one engine
+        to one destination may go together (``together``): a step that finishes many prompts
+        then costs one send per layer group, not one per prompt."""
+        if not writes:
+            return None
+        groups: dict[object, list[PageWrite]] = {}
+        for write in writes:
+            groups.setdefault((type(write), write.destination), []).append(write)
+        senders = [group[0].together(group) if len(group) > 1 else group[0].on_layer
+                   for group in groups.values()]
+
+        def on_layer(layer: int) -> None:
+            for send in senders:
+                send(layer)
+
+        return on_layer
+
+    @property
+    def destination(self) -> object:
+        """Writes with equal destinations may be sent together (by default each alone)."""
+        return self
+
+    def together(self, writes: list[PageWrite]) -> Callable[[int], None]:
+        """The per-layer hook sending ``writes`` (this one among them, all to this one's
+        destination) at once; by default each sends its own."""
+        def on_layer(layer: int) -> None:
+            for write in writes:
+                write.on_layer(layer)
+
+        return on_layer
 
     def send_all(self) -> None:
         for layer in range(self.num_layers):

@@ -20,9 +20,11 @@ import logging
 import pickle
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from kv_transfer import host_identity, local_device_index
 from kv_transfer.base import LayerwiseSender, PageWrite, Peer, Receiver, TransferSink
@@ -113,6 +115,17 @@ class RemotePool:
     peer_copier: PeerCopier | None
 
 
+def _ends_group(layer: int, num_layers: int) -> bool:
+    """Whether ``layer`` is the last of its group of layers (LAYER_GROUPS groups)."""
+    group = -(-num_layers // LAYER_GROUPS)
+    return (layer + 1) % group == 0 or layer == num_layers - 1
+
+
+def _group_of(layer: int, num_layers: int) -> slice:
+    group = -(-num_layers // LAYER_GROUPS)
+    return slice(layer // group * group, layer + 1)
+
+
 class _IpcWrite(PageWrite):
     """Copies on the sender's side stream, each layer after the compute stream has written it."""
 
@@ -131,28 +144,54 @@ class _IpcWrite(PageWrite):
     def _send(self, layer: int) -> None:
         # Layers go in LAYER_GROUPS launches, not one per layer: each launch costs the step's
         # thread a Triton launch (~0.2 ms of Python), which short prompts would feel.
-        group = -(-self.num_layers // LAYER_GROUPS)
-        if (layer + 1) % group == 0 or layer == self.num_layers - 1:
-            self._copy(slice(layer // group * group, layer + 1))
+        if _ends_group(layer, self.num_layers):
+            self._copy(_group_of(layer, self.num_layers), self.src, self.dst)
 
     def send_all(self) -> None:  # every layer in one launch
         try:
-            self._copy(slice(None))
+            self._copy(slice(None), self.src, self.dst)
         except Exception as err:  # noqa: BLE001 - reported by wait()
             self.error = err
         self.layers_sent = self.num_layers
         self.sealed = True
 
-    def _copy(self, layers: slice) -> None:
+    @property
+    def destination(self) -> object:
+        return id(self.sender), id(self.remote)
+
+    def together(self, writes: list[PageWrite]) -> Callable[[int], None]:
+        """One copy per layer group for all ``writes`` (their pages concatenated), one event
+        for all of them."""
+        ipc_writes: list[_IpcWrite] = writes  # type: ignore[assignment]
+        for write in ipc_writes:
+            write.event = self.event
+        pages: list[torch.Tensor] = []
+
+        def on_layer(layer: int) -> None:
+            if _ends_group(layer, self.num_layers):
+                try:
+                    if not pages:
+                        pages.extend([torch.cat([w.src for w in ipc_writes]),
+                                      torch.cat([w.dst for w in ipc_writes])])
+                    self._copy(_group_of(layer, self.num_layers), *pages)
+                except Exception as err:  # noqa: BLE001 - reported by each wait()
+                    for write in ipc_writes:
+                        write.error = write.error or err
+            for write in ipc_writes:
+                write._layer_sent()
+
+        return on_layer
+
+    def _copy(self, layers: slice, src: torch.Tensor, dst: torch.Tensor) -> None:
         sender = self.sender
         local = sender.pool.tensor
         sender.stream.wait_stream(torch.cuda.current_stream(local.device))
         if self.peer is not None:  # the pools sit on two GPUs
-            self.peer.copy(local[layers], self.remote[layers], self.src, self.dst)
+            self.peer.copy(local[layers], self.remote[layers], src, dst)
             self.event.record(self.peer.remote_stream)
             return
         with torch.cuda.stream(sender.stream):
-            sender.copy_pages(local[layers], self.remote[layers], self.src, self.dst)
+            sender.copy_pages(local[layers], self.remote[layers], src, dst)
             self.event.record(sender.stream)
 
     def landed(self) -> bool:
@@ -178,7 +217,8 @@ class CudaIpcSender(LayerwiseSender):
         self.copy_pages = copy_pages
         self.stream = torch.cuda.Stream(device=pool.tensor.device)
         self._devices = {pool.tensor.device}   # where our copies run (decode GPUs too)
-        self._mapped: list[weakref.ref] = []    # the decode pools we mapped, to check they go
+        # The decode pools we mapped, and their memory: unmapped at close.
+        self._mapped: list[tuple[weakref.ref, StorageWeakRef]] = []
 
     async def connect(self, peer: Peer) -> RemotePool:
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
@@ -195,7 +235,7 @@ class CudaIpcSender(LayerwiseSender):
                 "needs the decode GPU visible here (CUDA_VISIBLE_DEVICES); use nixl or grpc")
         args[6] = device  # the storage's device, as numbered in this process
         remote = rebuild_cuda_tensor(*args)  # mapped on its own GPU
-        self._mapped.append(weakref.ref(remote))
+        self._mapped.append((weakref.ref(remote), StorageWeakRef(remote.untyped_storage())))
         peer_copier = PeerCopier(self.stream, local, remote) if remote.device != local.device \
             else None
         self._devices.add(remote.device)
@@ -224,16 +264,21 @@ class CudaIpcSender(LayerwiseSender):
         return _IpcWrite(self, remote, src_pages, dst_pages)
 
     async def close(self) -> None:
-        """Waits for every copy to land: the mapped pools may be unmapped after this."""
+        """Waits for every copy to land, then unmaps the decode pools: their owners count each
+        mapping and warn at exit about one never released (``Producer process has been
+        terminated before all shared CUDA tensors released``), and whatever Python object still
+        holds a pool here (a finished write, a link) would keep it mapped until our exit, where
+        nothing releases it."""
         def drain() -> None:
             for device in self._devices:
                 torch.cuda.synchronize(device)
 
         await asyncio.to_thread(drain)
+        for tensor in (ref() for ref, _ in self._mapped):
+            if tensor is not None:
+                tensor.set_()    # drops its storage: the one reference to the mapping
 
-    def still_mapped(self) -> list[str]:
-        """What still holds a decode pool we mapped (after our links have dropped theirs): its
-        owner warns at exit about a mapping never released."""
+    def still_mapped(self) -> int:
+        """Decode pools we mapped whose memory is still held here after ``close``."""
         gc.collect()
-        return [", ".join(sorted({type(r).__name__ for r in gc.get_referrers(tensor)}))
-                for tensor in (ref() for ref in self._mapped) if tensor is not None]
+        return sum(not storage.expired() for _, storage in self._mapped)

@@ -159,12 +159,11 @@ class DecodeLinks:
             attempt.cancel()
         for sender in self._senders.values():
             await sender.close()
-        # Our references to the decode pools go with the links: an engine that mapped one
-        # (cuda_ipc) unmaps it once they are collected, and its owner then exits clean.
+        # An engine that mapped the decode pools (cuda_ipc) has unmapped them in close().
         self._links.clear()
         for sender in self._senders.values():
-            for holders in sender.still_mapped():
-                log.warning("a decode pool is still mapped after the links closed, held by: %s",
-                            holders)
+            if left := sender.still_mapped():
+                log.warning("%d decode pool(s) still mapped after the links closed: their "
+                            "owners will warn at exit", left)
         for ch in self._channels.values():
             await ch.close()

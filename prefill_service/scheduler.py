@@ -22,7 +22,6 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -333,7 +332,7 @@ class PrefillScheduler:
         rows = [sample_row(t.params, t.prompt_ids, [], t.output_offset) for t, _ in step.plan]
         step.launched_at = time.perf_counter()
         try:
-            step.launched = self.runner.launch(seqs, rows, _fan_out(step.writes))
+            step.launched = self.runner.launch(seqs, rows, PageWrite.fan_out(step.writes))
         except Exception as err:  # noqa: BLE001 - its requests fail when it is collected
             step.error = err
         finally:
@@ -445,15 +444,3 @@ def _lof_key(task: PrefillTask, now: float) -> tuple[int, int, float]:
     if now - task.enqueued_at > LOF_AGING_S:
         return (0, 0, task.enqueued_at)
     return (1, -task.params.max_new_tokens, task.enqueued_at)
-
-
-def _fan_out(writes: list[PageWrite]) -> Callable[[int], None] | None:
-    """The step's per-layer hook (on the step's thread): every layer-wise write sends it."""
-    if not writes:
-        return None
-
-    def on_layer(layer: int) -> None:
-        for write in writes:
-            write.on_layer(layer)
-
-    return on_layer

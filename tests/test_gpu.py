@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -304,11 +305,20 @@ def test_cluster_with_cuda_ipc_matches_single_process(decode_device, tiny_runner
     cluster = start_roles(["prefill", "decode"],
                           decode_flags=["--kv-transfer", "auto", "--device", decode_device])
     try:
+        def run(prompt: list[int]) -> list[int]:
+            return generate(cluster.stub(), token_ids=generate_pb2.TokenIds(ids=prompt),
+                            sampling=generate_pb2.SamplingParams(max_new_tokens=12,
+                                                                 ignore_eos=True))[0]
+
         for prompt in (list(b"through CUDA IPC"), [9] * 300, list(b"and again " * 20)):
-            ids = generate(cluster.stub(), token_ids=generate_pb2.TokenIds(ids=prompt),
-                           sampling=generate_pb2.SamplingParams(max_new_tokens=12,
-                                                                ignore_eos=True))[0]
-            assert ids == local.generate(tiny_runner, prompt, SamplingParams(max_new_tokens=12))
+            assert run(prompt) == local.generate(tiny_runner, prompt,
+                                                 SamplingParams(max_new_tokens=12))
+        # A burst: steps that finish several prompts send their pages together.
+        burst = [[(7 * i + j) % 250 + 1 for j in range(20 + 13 * i)] for i in range(12)]
+        with ThreadPoolExecutor(len(burst)) as pool:
+            for prompt, ids in zip(burst, pool.map(run, burst)):
+                assert ids == local.generate(tiny_runner, prompt,
+                                             SamplingParams(max_new_tokens=12))
         request = worker_pb2.GetWorkerInfoRequest()
         with grpc.insecure_channel(cluster.addresses["prefill0"]) as ch:
             info = prefill_pb2_grpc.PrefillServiceStub(ch).GetWorkerInfo(request, timeout=5)

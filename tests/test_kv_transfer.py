@@ -242,3 +242,45 @@ def test_layerwise_sender_commits_before_its_writes_land(tiny_runner):
             await scheduler.shutdown()
             await server.stop(0)
     asyncio.run(scenario())
+
+
+def test_a_steps_writes_to_one_destination_go_together():
+    """PageWrite.fan_out: writes an engine can merge (one destination) are sent by one hook per
+    layer; others each alone; every write sees every layer once and reports itself sent once."""
+    from kv_transfer.base import PageWrite
+
+    sends: list[tuple[str, int]] = []
+
+    class Write(PageWrite):
+        def __init__(self, name: str, destination: str | None) -> None:
+            super().__init__(num_layers=3)
+            self.name, self._destination = name, destination
+            self.sent_reports = 0
+            self.on_sent = lambda: setattr(self, "sent_reports", self.sent_reports + 1)
+
+        @property
+        def destination(self) -> object:
+            return self if self._destination is None else self._destination
+
+        def together(self, writes):  # noqa: ANN001, ANN202
+            def on_layer(layer: int) -> None:
+                sends.append(("+".join(w.name for w in writes), layer))
+                for write in writes:
+                    write._layer_sent()
+            return on_layer
+
+        def _send(self, layer: int) -> None:
+            sends.append((self.name, layer))
+
+        def landed(self) -> bool:
+            return True
+
+    writes = [Write("a", "decode0"), Write("b", "decode1"), Write("c", "decode0"),
+              Write("d", None), Write("e", None)]
+    on_layer = PageWrite.fan_out(writes)
+    for layer in range(3):
+        on_layer(layer)
+    assert sorted(sends) == sorted((name, layer) for name in ("a+c", "b", "d", "e")
+                                   for layer in range(3))
+    assert all(w.layers_sent == 3 and w.sent_reports == 1 and w.done for w in writes)
+    assert PageWrite.fan_out([]) is None
