@@ -1,6 +1,7 @@
 """One forward step's inputs: built from plain per-sequence lists, consumed by model + backend."""
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -75,26 +76,32 @@ class ForwardBatch:
 
     @classmethod
     def _build_any(cls, seqs: list[SeqInput], page_size: int, device: torch.device) -> ForwardBatch:
-        lens_q = [len(s.token_ids) for s in seqs]
-        lens_kv = [s.end_pos for s in seqs]
+        n = len(seqs)
+        lens_q = np.array([len(s.token_ids) for s in seqs], dtype=np.int64)
+        starts = np.array([s.start_pos for s in seqs], dtype=np.int64)
         max_pages = max(len(s.page_ids) for s in seqs)
-        # The per-sequence Python lists become tensors once here; everything per token below is
-        # tensor arithmetic.
-        input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long)
-        lens_q_t = torch.tensor(lens_q, dtype=torch.long)
-        cu = torch.zeros(len(seqs) + 1, dtype=torch.long)
-        torch.cumsum(lens_q_t, 0, out=cu[1:])
-        seq_ids = torch.repeat_interleave(torch.arange(len(seqs)), lens_q_t)
-        starts = torch.tensor([s.start_pos for s in seqs], dtype=torch.long)
-        positions = starts[seq_ids] + torch.arange(len(input_ids)) - cu[:-1][seq_ids]
-        page_table = torch.zeros(len(seqs), max_pages, dtype=torch.int32)
+        # The per-sequence Python lists become arrays once here; everything per token below is
+        # numpy arithmetic: single-threaded and cheap, where torch's CPU ops on a few thousand
+        # tokens each woke its intra-op thread pool, which, on a host whose cores every worker
+        # and router shares, made building a prefill step take tens of milliseconds (py-spy).
+        input_ids = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in seqs),
+                                dtype=np.int64, count=int(lens_q.sum()))
+        cu = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(lens_q, out=cu[1:])
+        seq_ids = np.repeat(np.arange(n, dtype=np.int64), lens_q)
+        positions = np.arange(len(input_ids), dtype=np.int64) + np.repeat(starts - cu[:-1], lens_q)
+        page_table = np.zeros((n, max_pages), dtype=np.int32)
         for row, s in enumerate(seqs):
-            page_table[row, :len(s.page_ids)] = torch.tensor(s.page_ids, dtype=torch.int32)
-        out_slots = page_table[seq_ids, positions // page_size].long() * page_size + positions % page_size
-        seq_lens_kv = torch.tensor(lens_kv, dtype=torch.int32)
-        cu_seqlens_q = cu.to(torch.int32)
+            page_table[row, :len(s.page_ids)] = s.page_ids
+        out_slots = (page_table[seq_ids, positions // page_size].astype(np.int64) * page_size
+                     + positions % page_size)
+        seq_lens_kv = torch.from_numpy((starts + lens_q).astype(np.int32))
+        cu_seqlens_q = torch.from_numpy(cu.astype(np.int32))
+        page_table = torch.from_numpy(page_table)
+        input_ids, positions, seq_ids, out_slots, last = (
+            torch.from_numpy(a) for a in (input_ids, positions, seq_ids, out_slots, cu[1:] - 1))
         return cls(
-            is_decode=all(n == 1 for n in lens_q) and any(s.start_pos > 0 for s in seqs),
+            is_decode=bool((lens_q == 1).all() and (starts > 0).any()),
             input_ids=to_device(input_ids, device),
             positions=to_device(positions, device),
             seq_ids=to_device(seq_ids, device),
@@ -102,9 +109,9 @@ class ForwardBatch:
             seq_lens_kv=to_device(seq_lens_kv, device),
             page_table=to_device(page_table, device),
             out_slots=to_device(out_slots, device),
-            logits_indices=to_device(cu[1:] - 1, device),
-            max_seqlen_q=max(lens_q),
-            max_seqlen_kv=max(lens_kv),
+            logits_indices=to_device(last, device),
+            max_seqlen_q=int(lens_q.max()),
+            max_seqlen_kv=int((starts + lens_q).max()),
             page_size=page_size,
             cu_seqlens_q_cpu=cu_seqlens_q,
             seq_lens_kv_cpu=seq_lens_kv,
