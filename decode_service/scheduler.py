@@ -149,7 +149,7 @@ class DecodeLoop:
         try:
             await self._crashed
         finally:
-            self.shutdown()
+            self._commands.put(_STOP)
 
     def add(self, req: DecodeRequest) -> None:
         self._held[req.request_id] = req
@@ -184,8 +184,12 @@ class DecodeLoop:
             output, self._output = self._output, StepOutput()
             self._event_loop.call_soon_threadsafe(self._deliver, output)
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float = 5.0) -> bool:
+        """Stops the loop thread; whether it has ended (it is waited for up to ``timeout_s``)."""
         self._commands.put(_STOP)
+        if threading.current_thread() is not self._thread and self._thread.ident is not None:
+            self._thread.join(timeout_s)
+        return not self._thread.is_alive()
 
     # The loop thread's side.
     def _run(self) -> None:

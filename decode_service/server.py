@@ -214,5 +214,6 @@ async def serve(config: DecodeConfig) -> None:
         if transfer_server is not server:
             await transfer_server.stop(config.server.shutdown_grace_s)
         loop_task.cancel()
-        loop.shutdown()
+        if await asyncio.to_thread(loop.shutdown):
+            runner.pool.release()    # no step can use it any more
 

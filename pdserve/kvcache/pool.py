@@ -51,6 +51,15 @@ class KVPool:
         index = torch.tensor(page_ids, dtype=torch.long, device=self.tensor.device)
         self.tensor.index_copy_(2, index, pages.to(self.tensor.device))
 
+    def release(self) -> None:
+        """Frees the pool's memory now, at shutdown (nothing may use the pool after). A pool
+        shared over CUDA IPC must be freed before the process exits: torch counts the shares
+        of memory still allocated at exit and warns "Producer process has been terminated
+        before all shared CUDA tensors released" (the prefill workers have unmapped it)."""
+        if self.tensor.is_cuda:
+            torch.cuda.synchronize(self.tensor.device)
+        self.tensor.set_()
+
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
