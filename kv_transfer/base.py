@@ -94,11 +94,6 @@ class Sender(ABC):
     async def close(self) -> None:
         """Frees what the engine holds."""
 
-    def still_mapped(self) -> int:
-        """After close: remote memory regions the engine mapped and still holds (none by
-        default)."""
-        return 0
-
 
 class LayerwiseSender(Sender):
     """A one-sided engine: writes straight into the decode pool, so each layer can leave while

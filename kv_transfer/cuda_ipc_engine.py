@@ -15,7 +15,6 @@ The handle travels pickled: both ends are our own processes on one host, behind 
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import pickle
 import time
@@ -24,11 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from kv_transfer import host_identity, local_device_index
 from kv_transfer.base import LayerwiseSender, PageWrite, Peer, Receiver, TransferSink
-from pdserve.engine.batch import to_device
+from pdserve.engine.batch import upload
 from pdserve.errors import TransferFailed
 from pdserve.kvcache.pool import KVPool
 
@@ -136,8 +134,8 @@ class _IpcWrite(PageWrite):
         self.remote = remote.tensor
         self.peer = remote.peer_copier
         # Made while the step before still runs: uploads that do not wait for it.
-        self.src = to_device(torch.tensor(src_pages, dtype=torch.int32), sender.pool.tensor.device)
-        self.dst = to_device(torch.tensor(dst_pages, dtype=torch.int32), self.remote.device)
+        self.src = upload(torch.tensor(src_pages, dtype=torch.int32), sender.pool.tensor.device)
+        self.dst = upload(torch.tensor(dst_pages, dtype=torch.int32), self.remote.device)
         # Blocking sync: a thread waiting on it sleeps in the driver, without the GIL.
         self.event = torch.cuda.Event(blocking=True)
 
@@ -217,8 +215,9 @@ class CudaIpcSender(LayerwiseSender):
         self.copy_pages = copy_pages
         self.stream = torch.cuda.Stream(device=pool.tensor.device)
         self._devices = {pool.tensor.device}   # where our copies run (decode GPUs too)
-        # The decode pools we mapped, and their memory: unmapped at close.
-        self._mapped: list[tuple[weakref.ref, StorageWeakRef]] = []
+        # The decode pools we mapped, weakly: one whose link is dropped (its worker restarted)
+        # is unmapped as soon as nothing uses it; the rest are unmapped at close.
+        self._mapped: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
 
     async def connect(self, peer: Peer) -> RemotePool:
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
@@ -235,7 +234,7 @@ class CudaIpcSender(LayerwiseSender):
                 "needs the decode GPU visible here (CUDA_VISIBLE_DEVICES); use nixl or grpc")
         args[6] = device  # the storage's device, as numbered in this process
         remote = rebuild_cuda_tensor(*args)  # mapped on its own GPU
-        self._mapped.append((weakref.ref(remote), StorageWeakRef(remote.untyped_storage())))
+        self._mapped.add(remote)
         peer_copier = PeerCopier(self.stream, local, remote) if remote.device != local.device \
             else None
         self._devices.add(remote.device)
@@ -266,19 +265,13 @@ class CudaIpcSender(LayerwiseSender):
     async def close(self) -> None:
         """Waits for every copy to land, then unmaps the decode pools: their owners count each
         mapping and warn at exit about one never released (``Producer process has been
-        terminated before all shared CUDA tensors released``), and whatever Python object still
-        holds a pool here (a finished write, a link) would keep it mapped until our exit, where
-        nothing releases it."""
+        terminated before all shared CUDA tensors released``), and a Python object still holding
+        a pool here (a finished write, a link) would keep it mapped until our exit, where nothing
+        releases it. The tensors stay, empty: whatever still holds one holds no memory."""
         def drain() -> None:
             for device in self._devices:
                 torch.cuda.synchronize(device)
 
         await asyncio.to_thread(drain)
-        for tensor in (ref() for ref, _ in self._mapped):
-            if tensor is not None:
-                tensor.set_()    # drops its storage: the one reference to the mapping
-
-    def still_mapped(self) -> int:
-        """Decode pools we mapped whose memory is still held here after ``close``."""
-        gc.collect()
-        return sum(not storage.expired() for _, storage in self._mapped)
+        for remote in list(self._mapped):
+            remote.set_()    # drops its storage: the one reference to the mapping

@@ -161,9 +161,5 @@ class DecodeLinks:
             await sender.close()
         # An engine that mapped the decode pools (cuda_ipc) has unmapped them in close().
         self._links.clear()
-        for sender in self._senders.values():
-            if left := sender.still_mapped():
-                log.warning("%d decode pool(s) still mapped after the links closed: their "
-                            "owners will warn at exit", left)
         for ch in self._channels.values():
             await ch.close()

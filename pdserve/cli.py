@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import sys
 from typing import Any
 
@@ -145,10 +144,6 @@ def _run(args: argparse.Namespace) -> int:
         from prefill_service.server import serve as serve_prefill
 
         asyncio.run(serve_prefill(config))
-        # Decode pools it mapped (cuda_ipc) are unmapped here, while CUDA is still up, not left
-        # to the interpreter's exit: their owners count the mappings and warn at their own exit
-        # ("Producer process has been terminated ...") about any left open.
-        gc.collect()
     elif args.command == "decode":
         from decode_service.server import serve as serve_decode
 

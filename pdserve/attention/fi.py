@@ -13,8 +13,7 @@ import numpy as np
 import torch
 
 from pdserve.attention.base import AttentionBackend
-from pdserve.engine.batch import ForwardBatch
-from pdserve.engine.decode_slots import upload
+from pdserve.engine.batch import ForwardBatch, upload
 from pdserve.kvcache.pool import KVPool
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)

@@ -13,14 +13,15 @@ if TYPE_CHECKING:
     from pdserve.engine.decode_slots import DecodeSlots
 
 
-def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``host`` copied to ``device`` without the host waiting for the GPU: on CUDA through
-    pinned memory, which torch holds until the copy has run (a copy from pageable memory may
-    wait for the stream's earlier work, and a blocking one always does). A step can then be
-    prepared while the one before it still runs."""
+def upload(host: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host array or tensor on ``device`` without the host waiting for the GPU: on CUDA
+    staged through page-locked memory (torch's host allocator reuses a staging block only once
+    its copy has run; a copy from pageable memory may wait for the stream's earlier work, and a
+    blocking one always does). A step can then be prepared while the one before it runs."""
+    tensor = torch.from_numpy(host) if isinstance(host, np.ndarray) else host
     if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -102,14 +103,14 @@ class ForwardBatch:
             torch.from_numpy(a) for a in (input_ids, positions, seq_ids, out_slots, cu[1:] - 1))
         return cls(
             is_decode=bool((lens_q == 1).all() and (starts > 0).any()),
-            input_ids=to_device(input_ids, device),
-            positions=to_device(positions, device),
-            seq_ids=to_device(seq_ids, device),
-            cu_seqlens_q=to_device(cu_seqlens_q, device),
-            seq_lens_kv=to_device(seq_lens_kv, device),
-            page_table=to_device(page_table, device),
-            out_slots=to_device(out_slots, device),
-            logits_indices=to_device(last, device),
+            input_ids=upload(input_ids, device),
+            positions=upload(positions, device),
+            seq_ids=upload(seq_ids, device),
+            cu_seqlens_q=upload(cu_seqlens_q, device),
+            seq_lens_kv=upload(seq_lens_kv, device),
+            page_table=upload(page_table, device),
+            out_slots=upload(out_slots, device),
+            logits_indices=upload(last, device),
             max_seqlen_q=int(lens_q.max()),
             max_seqlen_kv=int((starts + lens_q).max()),
             page_size=page_size,
@@ -136,15 +137,15 @@ class ForwardBatch:
         rows = torch.arange(n, dtype=torch.long)
         return cls(
             is_decode=any(p > 0 for p in positions),
-            input_ids=to_device(torch.tensor([s.token_ids[0] for s in seqs], dtype=torch.long),
+            input_ids=upload(torch.tensor([s.token_ids[0] for s in seqs], dtype=torch.long),
                                 device),
-            positions=to_device(torch.tensor(positions, dtype=torch.long), device),
-            seq_ids=to_device(rows, device),
-            cu_seqlens_q=to_device(cu_seqlens_q, device),
-            seq_lens_kv=to_device(seq_lens_kv, device),
-            page_table=to_device(page_table, device),
-            out_slots=to_device(torch.tensor(slots, dtype=torch.long), device),
-            logits_indices=to_device(rows, device),
+            positions=upload(torch.tensor(positions, dtype=torch.long), device),
+            seq_ids=upload(rows, device),
+            cu_seqlens_q=upload(cu_seqlens_q, device),
+            seq_lens_kv=upload(seq_lens_kv, device),
+            page_table=upload(page_table, device),
+            out_slots=upload(torch.tensor(slots, dtype=torch.long), device),
+            logits_indices=upload(rows, device),
             max_seqlen_q=1,
             max_seqlen_kv=max(positions) + 1,
             page_size=page_size,

@@ -14,8 +14,7 @@ import time
 import torch
 
 from pdserve.attention.base import AttentionBackend
-from pdserve.engine.batch import ForwardBatch, SeqInput
-from pdserve.engine.decode_slots import upload
+from pdserve.engine.batch import ForwardBatch, SeqInput, upload
 from pdserve.kvcache.pool import NULL_PAGE, KVPool
 from pdserve.models.llama import CausalLM
 from pdserve.progress import progress

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pdserve.engine.batch import upload
 from pdserve.engine.sampling import SamplingTensors, has_filter
 from pdserve.kvcache.pool import NULL_PAGE
 from pdserve.sampling_params import SamplingParams
@@ -34,15 +35,6 @@ class SlotJoin:
     params: SamplingParams
     output_index: int             # the noise counter of the token it samples next
     history: list[int] | None     # prompt + generated ids, when it has a repetition penalty
-
-
-def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on the device without waiting for the GPU: staged through page-locked memory
-    (torch's host allocator reuses a staging block only once its copy has run)."""
-    tensor = torch.from_numpy(array)
-    if device.type != "cuda":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 class DecodeSlots:

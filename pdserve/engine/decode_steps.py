@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdserve.engine.batch import ForwardBatch
-from pdserve.engine.decode_slots import DecodeSlots, SlotJoin, upload
+from pdserve.engine.batch import ForwardBatch, upload
+from pdserve.engine.decode_slots import DecodeSlots, SlotJoin
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampling import sample_tensors
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.batch import to_device
+from pdserve.engine.batch import upload
 from pdserve.sampling_params import SampleRow, SamplingParams
 
 __all__ = ["SampleRow", "SamplingParams", "SamplingTensors", "counter_uniform", "sample",
@@ -75,9 +75,9 @@ class SamplingTensors:
     @classmethod
     def from_rows(cls, rows: list[SampleRow], device: torch.device) -> SamplingTensors:
         params = [r.params for r in rows]
-        floats = to_device(torch.tensor([[p.temperature, p.top_p, p.min_p, p.repetition_penalty]
+        floats = upload(torch.tensor([[p.temperature, p.top_p, p.min_p, p.repetition_penalty]
                                          for p in params], dtype=torch.float32), device)
-        ints = to_device(torch.tensor([[p.top_k, p.seed & _MASK32, (p.seed >> 32) & _MASK32,
+        ints = upload(torch.tensor([[p.top_k, p.seed & _MASK32, (p.seed >> 32) & _MASK32,
                                         r.output_index] for p, r in zip(params, rows)],
                                       dtype=torch.long), device)
         return cls(*floats.unbind(1), *ints.unbind(1),
@@ -100,7 +100,7 @@ def seen_tokens(rows: list[SampleRow], vocab_size: int, device: torch.device) ->
     for i, history in enumerate(histories):  # host-side, once per sequence
         padded[i, :len(history)] = torch.tensor(history, dtype=torch.long)
     seen = torch.zeros(len(rows), vocab_size + 1, dtype=torch.bool, device=device)
-    seen.scatter_(1, to_device(padded, device), True)
+    seen.scatter_(1, upload(padded, device), True)
     return seen[:, :vocab_size]
 
 
