@@ -25,6 +25,7 @@ from pdserve.sampling_params import SamplingParams, check_sampling, check_token_
 from pdserve.security import Identity
 from pdserve.serving import (
     advertised_address,
+    favour_step_thread,
     make_server,
     serve_until_signal,
     start_metrics,
@@ -167,6 +168,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
 async def serve(config: DecodeConfig) -> None:
     identity = Identity.from_config(config.server)
+    favour_step_thread()
     runner = ModelRunner(config.engine, "decode", config.max_running_requests)
     server = make_server(config.server, identity)
     worker = worker_id(config.server, "decode", server.port)

@@ -62,13 +62,19 @@ class EngineConfig(ModelSource):
     torch_threads: int = setting(0, "CPU threads for torch (0: torch's default)")
     disable_cuda_graph: bool = setting(False, "decode eagerly instead of replaying CUDA graphs")
     cuda_graph_max_bs: int = setting(256, "largest decode batch captured in a CUDA graph")
-    fused_rope_kv: bool = setting(True, "inside CUDA graphs, RoPE and the K/V store as one "
-                                  "Triton kernel")
+    fused_rope_kv: bool = setting(True, "(q/k norm,) RoPE and the K/V store as one Triton "
+                                  "kernel, inside CUDA graphs and in eager steps of 256 tokens "
+                                  "or more (prefill)")
     triton_gemv: bool = setting(True, "inside CUDA graphs, batch-1 linear layers as a Triton "
                                 "GEMV (else cuBLAS)")
     overlap_scheduling: bool = setting(True, "prepare and launch step n+1 while step n runs on "
                                        "the GPU, prefill and decode alike (the host learns a "
                                        "step's tokens one step late)")
+    profile_dir: str = setting("", "write a torch.profiler trace (host ops and GPU kernels, "
+                               "Chrome trace JSON) of the steps --profile-steps names into this "
+                               "folder, one file per worker, then go on serving")
+    profile_steps: str = setting("10:20", "the steps --profile-dir traces: FIRST:COUNT, counted "
+                                 "from the worker's start")
 
 
 @dataclass

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig, ServerConfig
 from pdserve.errors import ConfigError
+from pdserve.profiling import parse_steps
 
 
 def check_device(device: str) -> None:
@@ -46,6 +47,7 @@ def check_engine(config: EngineConfig) -> None:
         raise ConfigError(f"--num-pages {config.num_pages}: must be 0 (sized by --kv-cache-gb) "
                           "or more")
     kv_cache_gib(config.kv_cache_gb)
+    parse_steps(config.profile_steps)
     if not 0 < config.gpu_memory_utilization <= 1:
         raise ConfigError(f"--gpu-memory-utilization {config.gpu_memory_utilization}: must be "
                           "in (0, 1]")

@@ -18,7 +18,13 @@ from pdserve.preflight import check_prefill
 from pdserve.proto_convert import sampling_from_proto, worker_info
 from pdserve.sampling_params import check_sampling, check_token_ids
 from pdserve.security import Identity
-from pdserve.serving import make_server, serve_until_signal, start_metrics, worker_id
+from pdserve.serving import (
+    favour_step_thread,
+    make_server,
+    serve_until_signal,
+    start_metrics,
+    worker_id,
+)
 from prefill_service.handoff import Handoff
 from prefill_service.scheduler import PrefillScheduler, PrefillTask, auto_chunk_size
 from protos.pdserve.v1 import prefill_pb2, prefill_pb2_grpc, worker_pb2
@@ -83,6 +89,7 @@ async def serve(config: PrefillConfig) -> None:
     check_prefill(config)
     model = source_config(config.engine, local_model(config.engine))
     chunk_size = auto_chunk_size(model) if config.chunk_size == 0 else config.chunk_size
+    favour_step_thread()
     # Its pool holds at least a prompt of the longest context and a step: the prompt's pages
     # are all held until its hand-off, and a longer one than the pool is refused.
     runner = ModelRunner(config.engine, "prefill", chunk_size,
@@ -91,6 +98,7 @@ async def serve(config: PrefillConfig) -> None:
         page_size = runner.pool.page_size
         chunk_size = auto_chunk_size(model, runner.pool.allocator.total * page_size, page_size)
         log.info("prefill: --chunk-size auto: %d prompt tokens per step", chunk_size)
+    runner.warm_up(chunk_size)
     server = make_server(config.server, identity)
     worker = worker_id(config.server, "prefill", server.port)
     metrics = PrefillMetrics(worker, served_name(config.engine))

@@ -64,6 +64,7 @@ def test_a_backend_that_is_not_installed_is_one_line():
 def test_a_worker_with_a_wrong_model_is_one_line():
     _one_line_error(_pdserve("prefill", "--model", "/nonexistent/model"), "--model")
     _one_line_error(_pdserve("prefill", "--chunk-size", "-1"), "--chunk-size -1")
+    _one_line_error(_pdserve("decode", "--profile-steps", "10"), "--profile-steps '10'")
 
 
 @pytest.mark.parametrize("flag", ["--port", "--http-port"])

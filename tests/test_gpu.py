@@ -156,6 +156,34 @@ def test_cuda_graph_decode_step_matches_eager_step(model, rows):
     assert kv_diff <= 6e-2 * runner.pool.tensor.float().abs().max().item(), kv_diff
 
 
+@pytest.mark.parametrize("model", ["small", "qwen3-0.6b"])
+def test_eager_prefill_with_fused_rope_kv_matches_separate_kernels(model):
+    """A prefill step of FUSED_EAGER_MIN_TOKENS or more runs (q/k norm,) RoPE and the K/V store
+    as the fused kernel: logits and stored K/V agree with the separate kernels' to bf16
+    rounding."""
+    from pdserve.models.llama import FUSED_EAGER_MIN_TOKENS
+
+    results = []
+    for fused in (True, False):
+        runner = ModelRunner(EngineConfig(model=model, page_size=16, num_pages=256,
+                                          fused_rope_kv=fused), "prefill")
+        assert runner.model.fuse_rope_kv == fused
+        rng = random.Random(5)
+        seqs = []
+        for length in (40, 17, FUSED_EAGER_MIN_TOKENS):   # one step, three prompts
+            pages = runner.pool.allocator.alloc(runner.pool.pages_for(length))
+            seqs.append(SeqInput([rng.randrange(256) for _ in range(length)], 0, pages))
+        results.append((runner.forward(seqs).clone(), runner.pool.tensor.clone()))
+        del runner
+    (fused_logits, fused_kv), (logits, kv) = results
+    diff = (fused_logits - logits).abs().max() / logits.abs().max()
+    cosine = torch.nn.functional.cosine_similarity(fused_logits, logits, dim=-1)
+    assert diff < 3e-2 and cosine.min() > 0.999, (diff, cosine)
+    assert kv.abs().max() > 0   # the step stored K/V
+    kv_diff = (fused_kv.float() - kv.float()).abs().max().item()
+    assert kv_diff <= 6e-2 * kv.float().abs().max().item(), kv_diff
+
+
 def _assert_same_or_near_tie(runner: ModelRunner, prompt: list[int], expected: list[int],
                              got: list[int], tolerance: float) -> None:
     """Greedy outputs must agree; where they first differ, the reference's two candidates must

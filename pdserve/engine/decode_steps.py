@@ -59,6 +59,7 @@ class DecodeSteps:
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> LaunchedStep:
+        self.runner.profiler.step()
         with self.runner.on_device():
             return self._launch(plan)
 

@@ -13,13 +13,14 @@ from pdserve.attention.base import AttentionBackend
 from pdserve.config import EngineConfig
 from pdserve.engine.batch import ForwardBatch, SeqInput
 from pdserve.engine.cuda_graph import CudaGraphRunner
-from pdserve.engine.sampling import SampleRow, sample
+from pdserve.engine.sampling import SampleRow, SamplingParams, sample
 from pdserve.errors import ConfigError
 from pdserve.kvcache.pool import KVLayout, KVPool
 from pdserve.models.config import ModelConfig
 from pdserve.models.loader import load_model
 from pdserve.models.source import local_model
 from pdserve.preflight import kv_cache_gib
+from pdserve.profiling import StepProfiler
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ class ModelRunner:
         if config.torch_threads > 0:
             torch.set_num_threads(config.torch_threads)
         self.device = resolve_device(config.device)
+        self.profiler = StepProfiler(config.profile_dir, config.profile_steps, role)
         if self.device.type == "cuda":
             # Kernels, graph captures and allocations that name no device go to the current
             # one: it must be ours (decode on cuda:1 failed to capture without this).
@@ -201,6 +203,7 @@ class ModelRunner:
         """Enqueues one step and its sampling; returns before the GPU has run it (nothing here
         waits for the GPU), so the next step can be prepared meanwhile."""
         mode = "cuda_graph" if self.graph_mode(seqs, on_layer, eager) else "eager"
+        self.profiler.step()
         with self.on_device():
             tokens = sample(self.forward(seqs, on_layer, eager), rows)
             if self.device.type != "cuda":
@@ -211,6 +214,20 @@ class ModelRunner:
             done = torch.cuda.Event(blocking=True)
             done.record()
         return LaunchedStep(host, done, mode)
+
+    def warm_up(self, num_tokens: int) -> None:
+        """On a GPU, one throwaway step of a ``num_tokens`` prompt, so that the first request
+        served does not wait for the step's JIT compiles (Triton) and kernel choices (cuBLAS,
+        attention)."""
+        if self.device.type != "cuda":
+            return
+        num_tokens = min(num_tokens, self.model_config.max_model_len,
+                         self.pool.allocator.num_free * self.pool.page_size)
+        pages = self.pool.allocator.alloc(self.pool.pages_for(num_tokens))
+        try:
+            self.step([SeqInput([0] * num_tokens, 0, pages)], [SampleRow(SamplingParams(), 0)])
+        finally:
+            self.pool.allocator.free(pages)
 
     def step(self, seqs: list[SeqInput], rows: list[SampleRow],
              on_layer: Callable[[int], None] | None = None, eager: bool = False) -> StepResult:

@@ -22,6 +22,10 @@ if TYPE_CHECKING:
     from pdserve.engine.batch import ForwardBatch
 
 
+# Eager steps of at least this many tokens use the fused RoPE + K/V store kernel.
+FUSED_EAGER_MIN_TOKENS = 256
+
+
 @dataclass
 class ForwardContext:
     """What every layer of one forward needs besides its input."""
@@ -136,11 +140,16 @@ class CausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Float32 logits [batch, vocab]."""
         assert self.cos_sin is not None, "prepare() first"
-        # The Triton kernels (fused RoPE + K/V store, one-row GEMV) only go into CUDA graphs:
-        # launched eagerly their Python launcher costs more than they save.
+        # The one-row GEMV only goes into CUDA graphs: launched eagerly its Triton launcher
+        # costs more than it saves. The fused RoPE + K/V store goes into graphs and into eager
+        # steps of FUSED_EAGER_MIN_TOKENS or more (prefill), where it replaces seven kernels per
+        # layer, a third of a Qwen3 prefill step's GPU time (the per-head norms), and their
+        # launches.
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        ctx = ForwardContext(batch, attn, self.ops, self.cos_sin, self.fuse_rope_kv and capturing,
-                             capturing and self.use_gemv and batch.input_ids.shape[0] == 1)
+        tokens = batch.input_ids.shape[0]
+        ctx = ForwardContext(batch, attn, self.ops, self.cos_sin,
+                             self.fuse_rope_kv and (capturing or tokens >= FUSED_EAGER_MIN_TOKENS),
+                             capturing and self.use_gemv and tokens == 1)
         x = self.embed_tokens(batch.input_ids)
         residual = None
         for i, layer in enumerate(self.layers):

@@ -1,0 +1,43 @@
+"""--profile-dir: a worker writes a torch.profiler trace of the steps --profile-steps names and
+goes on serving; a malformed --profile-steps is a one-line configuration error."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from pdserve.config import EngineConfig
+from pdserve.engine.batch import SeqInput
+from pdserve.engine.runner import ModelRunner
+from pdserve.errors import ConfigError
+from pdserve.profiling import parse_steps
+from pdserve.sampling_params import SampleRow, SamplingParams
+
+
+def test_the_named_steps_are_traced_and_serving_goes_on(tmp_path):
+    runner = ModelRunner(EngineConfig(model="tiny", num_pages=64, profile_dir=str(tmp_path),
+                                      profile_steps="1:2"), "prefill")
+    pages = runner.pool.allocator.alloc(2)
+    for step in range(5):
+        assert not list(tmp_path.iterdir()) or step > 2
+        result = runner.step([SeqInput([1, 2, 3], 0, pages)], [SampleRow(SamplingParams(), 0)])
+        assert len(result.tokens) == 1
+    traces = list(tmp_path.iterdir())
+    assert [t.name for t in traces] == [f"prefill-{os.getpid()}.json"]
+    events = json.loads(traces[0].read_text())["traceEvents"]
+    assert any(e.get("name") == "aten::linear" for e in events)
+
+
+def test_no_folder_no_trace(tmp_path):
+    runner = ModelRunner(EngineConfig(model="tiny", num_pages=64, profile_steps="0:1"), "prefill")
+    pages = runner.pool.allocator.alloc(1)
+    for _ in range(3):
+        runner.step([SeqInput([1], 0, pages)], [SampleRow(SamplingParams(), 0)])
+    assert runner.profiler.folder is None
+
+
+@pytest.mark.parametrize("value", ["10", "a:b", "3:0", "-1:2", ""])
+def test_malformed_steps_are_refused(value):
+    with pytest.raises(ConfigError, match="--profile-steps"):
+        parse_steps(value)
