@@ -112,7 +112,7 @@ class PrefillConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     chunk_size: int = setting(0, "most prompt tokens per prefill step, across requests; "
                               "longer prompts are chunked; 0 (auto): by the model's size, "
-                              "2048 (8B) to 8192 (0.6B) tokens, at most half the KV pool")
+                              "2048 (8B) to 16384 (0.6B) tokens, at most half the KV pool")
     schedule_policy: str = setting("fcfs", "order waiting prompts start in: fcfs (arrival) or "
                                    "lof (longest output first: most max_new_tokens first, so a "
                                    "burst's longest generations start decoding earliest and the "
@@ -137,7 +137,7 @@ class DecodeConfig:
     yield_to_prefill_ms: float = setting(
         -1.0, "on a GPU shared with a prefill worker, hold the next decode step back up to this "
         "long while prompts reserved here are being prefilled, so prefill runs first (as one "
-        "process schedules a waiting prompt before a decode step); 0: never; -1 (auto): 100 "
+        "process schedules a waiting prompt before a decode step); 0: never; -1 (auto): 1000 "
         "where `pdserve up` puts a prefill worker on this GPU, else 0")
     max_queued_reservations: int = setting(1024, "reservations waiting for pages before "
                                            "RESOURCE_EXHAUSTED")

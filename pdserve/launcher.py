@@ -48,7 +48,11 @@ ROUTER_SET_BY_LAUNCHER = ("model", "revision", "served_model_name", "max_model_l
                           "decode_discovery", "share_port")
 # How `up` splits --gpu-memory-utilization between the workers that share a GPU.
 MEMORY_SHARE = {"prefill": 0.25, "decode": 0.75}
-YIELD_TO_PREFILL_MS = 100.0   # decode's --yield-to-prefill-ms where a prefill worker shares its GPU
+# Decode's --yield-to-prefill-ms where a prefill worker shares its GPU. Measured on one H100
+# (`bench/throughput.py`, a 256-request burst, 2026-11-24): llama3-8b 8,050 output tok/s at 1000
+# against 7,959 at 100 (34 fewer decode steps taken at small batches mid-burst; TTFT p50 1.85 s
+# against 2.08 s, ITL p50 17.7 ms against 18.3), qwen3-0.6b 18,004 against 17,721-17,941.
+YIELD_TO_PREFILL_MS = 1000.0
 # --routers auto on a GPU host: one router process per CORES_PER_ROUTER cores, at most
 # AUTO_ROUTERS. Measured on one H100 (16 cores; `bench/throughput.py`, qwen3-0.6b): one router
 # ran at 100% of a core relaying about 9k tokens/s; four shared about 1.3 cores at 17k.

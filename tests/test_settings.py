@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.cli import build_parser, role_config
 from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig, RouterConfig
-from pdserve.launcher import ClusterPlan
+from pdserve.launcher import YIELD_TO_PREFILL_MS, ClusterPlan
 from pdserve.sampling_params import SamplingParams, finish_reason, sample_row
 from pdserve.settings import to_argv
 
@@ -73,7 +73,7 @@ def test_up_splits_gpu_memory_between_workers_sharing_a_gpu():
     assert engine_of("decode", 1).gpu_memory_utilization == pytest.approx(0.8)
     assert engine_of("decode", 1).served_model_name == "m"
     # The decode worker sharing cuda:0 with prefill lets prefill's steps go first.
-    assert config_of("decode", 0).yield_to_prefill_ms == 100
+    assert config_of("decode", 0).yield_to_prefill_ms == YIELD_TO_PREFILL_MS
     assert config_of("decode", 1).yield_to_prefill_ms == 0
     args.yield_to_prefill_ms = 40.0   # given explicitly, it is what every decode worker gets
     plan = ClusterPlan.from_args(args)
@@ -105,7 +105,7 @@ def test_up_resolves_auto_devices_and_router_count_from_the_host(monkeypatch):
     assert plan_for("--device", "cuda").router_count() == 4
     assert plan_for("--routers", "3").router_count() == 3
     monkeypatch.setattr(launcher, "_host_has_gpu", lambda: True)
-    assert yield_ms(plan_for()) == 100
+    assert yield_ms(plan_for()) == YIELD_TO_PREFILL_MS
     assert plan_for().router_count() == 4
     assert plan_for("--device", "cpu").router_count() == 1
     monkeypatch.setattr(launcher.os, "cpu_count", lambda: 2)
@@ -120,8 +120,8 @@ def test_prefill_chunk_auto_follows_the_model_size_and_the_pool():
 
     assert auto_chunk_size(model_config("llama3-8b")) == 2048
     assert auto_chunk_size(model_config("qwen3-8b")) == 2048
-    assert auto_chunk_size(model_config("qwen3-0.6b")) == 8192
-    assert auto_chunk_size(model_config("tiny")) == 8192
+    assert auto_chunk_size(model_config("qwen3-0.6b")) == 16384
+    assert auto_chunk_size(model_config("tiny")) == 16384
     # At most half the prefill pool in whole pages, at least a page: llama3-8b's pool beside
     # its weights on an H100 shared with decode (about 6,464 tokens) keeps its 2,048.
     assert auto_chunk_size(model_config("llama3-8b"), pool_tokens=6464, page_size=16) == 2048
