@@ -53,6 +53,9 @@ class StepProfiler:
             activities.append(ProfilerActivity.CUDA)
         self._profile = profile(activities=activities)
         self._profile.__enter__()
+        # A worker that stops before the last named step writes no trace: say what to expect.
+        log.info("profiling steps %d..%d; the trace is written when step %d starts",
+                 self.first, self.first + self.count - 1, self.first + self.count)
 
     def _stop(self) -> None:
         profile, self._profile = self._profile, None
