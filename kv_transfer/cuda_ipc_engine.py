@@ -184,10 +184,18 @@ class _IpcWrite(PageWrite):
         sender = self.sender
         local = sender.pool.tensor
         sender.stream.wait_stream(torch.cuda.current_stream(local.device))
+        # The page ids were made on the current streams and are read on the copy streams: the
+        # caching allocator must not hand their blocks out again before those reads ran. (The
+        # ids of writes sent together are dropped with the step's batch, right after launch,
+        # while its last copy still waits for the step's last layer: a new tensor of the step
+        # took the block, and the copy scattered to whatever pages it held.)
+        src.record_stream(sender.stream)
         if self.peer is not None:  # the pools sit on two GPUs
+            dst.record_stream(self.peer.remote_stream)
             self.peer.copy(local[layers], self.remote[layers], src, dst)
             self.event.record(self.peer.remote_stream)
             return
+        dst.record_stream(sender.stream)
         with torch.cuda.stream(sender.stream):
             sender.copy_pages(local[layers], self.remote[layers], src, dst)
             self.event.record(sender.stream)

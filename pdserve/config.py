@@ -204,8 +204,10 @@ class LauncherConfig:
     port: int = setting(50051, "the router's public gRPC port")
     http_port: int = setting(8000, "the router's OpenAI-compatible HTTP port (0: any free "
                              "port, -1: none)")
-    prefill: int = setting(1, "prefill workers")
-    decode: int = setting(1, "decode workers")
+    prefill: int = setting(0, "prefill workers, each on the next of --prefill-devices in "
+                           "turn (0, auto: one per device listed there, else 1)")
+    decode: int = setting(0, "decode workers, each on the next of --decode-devices in turn "
+                          "(0, auto: one per device listed there, else 1)")
     routers: int = setting(0, "router processes, sharing the public ports: one Python process "
                            "relays every streamed message of its clients, and at about 10k "
                            "tokens/s it saturates a core; 0 (auto): 1 where the workers run on "

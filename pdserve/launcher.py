@@ -84,7 +84,7 @@ class ClusterPlan:
 
     def _workers(self) -> list[tuple[str, int]]:
         return [(role, i) for role in ("prefill", "decode")
-                for i in range(getattr(self.launcher, role))]
+                for i in range(self.worker_count(role))]
 
     def preflight(self) -> None:
         """Checks the whole configuration before any child starts (ConfigError, one line);
@@ -103,6 +103,8 @@ class ClusterPlan:
         if launcher.routers < 0:
             raise ConfigError(f"--routers {launcher.routers}: give a number of router "
                               "processes, or 0 (auto)")
+        self.launcher = launcher = dataclasses.replace(
+            launcher, prefill=self.worker_count("prefill"), decode=self.worker_count("decode"))
         self.launcher = launcher = dataclasses.replace(launcher, routers=self.router_count())
         check_engine(self.engine)
         for role, index in self._workers():
@@ -124,6 +126,22 @@ class ClusterPlan:
         if launcher.http_port == launcher.port:
             raise ConfigError(f"--http-port {launcher.http_port} is the gRPC --port")
         check_port(launcher.host, launcher.http_port, "--http-port")
+
+    def worker_count(self, role: str) -> int:
+        """--prefill/--decode, or under auto (0) one worker per device of --ROLE-devices (1
+        where none is listed). Fewer workers than devices listed is refused: a device would
+        be left without one."""
+        count = getattr(self.launcher, role)
+        devices = getattr(self.launcher, f"{role}_devices")
+        if count < 0:
+            raise ConfigError(f"--{role} {count}: give a number of {role} workers, or 0 (auto)")
+        if count == 0:
+            return max(1, len(devices))
+        if count < len(devices):
+            raise ConfigError(f"--{role} {count} with {len(devices)} --{role}-devices: "
+                              f"{', '.join(devices[count:])} would get no worker (leave --{role} "
+                              "out to start one per device)")
+        return count
 
     def router_count(self) -> int:
         """--routers, or under auto (0): one where every worker runs on the CPU; where one runs

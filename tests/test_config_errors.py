@@ -42,6 +42,8 @@ def _one_line_error(result: subprocess.CompletedProcess, *words: str) -> None:
     (["--internal-token-file", "/nonexistent/token"], ["--internal-token-file"]),
     (["--decode-devices", "tpu:0"], ["--device 'tpu:0'"]),
     (["--routers", "-1"], ["--routers -1", "0 (auto)"]),
+    (["--decode", "-2"], ["--decode -2", "0 (auto)"]),
+    (["--prefill", "1", "--prefill-devices", "cpu,cpu"], ["--prefill 1", "no worker"]),
     (["--chunk-size", "-1"], ["--chunk-size -1", "0 (auto)"]),
 ])
 def test_up_reports_a_mistake_in_one_line(flags, words):

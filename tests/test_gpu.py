@@ -318,6 +318,48 @@ def test_peer_copier_moves_pages_between_two_gpus():
     assert not dst[:, :, untouched].any()
 
 
+@pytest.mark.parametrize("remote_device", ["cuda:0", "cuda:1"], ids=["one-gpu", "two-gpus"])
+def test_writes_sent_together_keep_their_page_ids_until_copied(remote_device):
+    """A step's writes to one decode pool go as one copy per layer group, on the sender's
+    streams, with their page ids concatenated on the current streams and dropped with the step,
+    right after launch. Those ids must outlive the copies: here the copy streams are held
+    back while the current streams take every free block of that size and fill it with the
+    null page, and the pages must still land where they were meant to."""
+    from kv_transfer.base import PageWrite
+    from kv_transfer.cuda_ipc_engine import CudaIpcSender, PeerCopier, RemotePool
+
+    if torch.cuda.device_count() <= int(remote_device[-1]):
+        pytest.skip("needs a second GPU")
+    layout = KVLayout("m", "bfloat16", 16, 8, KV_HEADS, HEAD_DIM)
+    local = KVPool(layout, num_pages=64, dtype=torch.bfloat16, device=torch.device("cuda:0"))
+    local.tensor.normal_()
+    remote = torch.zeros_like(local.tensor, device=remote_device)
+    sender = CudaIpcSender(local)
+    copier = PeerCopier(sender.stream, local.tensor, remote) if remote_device != "cuda:0" \
+        else None
+    rng = random.Random(5)
+    src_pages, dst_pages = rng.sample(range(1, 64), 24), rng.sample(range(1, 64), 24)
+    writes = [sender.start_write(RemotePool(remote, copier), src_pages[i:i + 8],
+                                 dst_pages[i:i + 8]) for i in range(0, 24, 8)]
+    torch.cuda.synchronize()
+    with torch.cuda.stream(sender.stream):
+        torch.cuda._sleep(200_000_000)        # the copies queue behind this
+    hook = PageWrite.fan_out(writes)
+    assert hook is not None
+    for layer in range(layout.num_layers):
+        hook(layer)
+    del hook                                  # as the step's batch is, right after launch
+    taken = [torch.zeros(24, dtype=torch.int32, device=device)
+             for device in {local.tensor.device, remote.device} for _ in range(4000)]
+    for device in {local.tensor.device, remote.device}:
+        torch.cuda.synchronize(device)
+    assert all(w.done and w.error is None for w in writes)
+    assert torch.equal(remote[:, :, dst_pages].cpu(), local.tensor[:, :, src_pages].cpu())
+    untouched = [p for p in range(64) if p not in dst_pages]
+    assert not remote[:, :, untouched].any()
+    del taken
+
+
 @pytest.mark.parametrize("decode_device", ["cuda:0", "cuda:1"], ids=["one-gpu", "two-gpus"])
 def test_cluster_with_cuda_ipc_matches_single_process(decode_device, tiny_runner):
     """Prefill on cuda:0 writes straight into a decode pool on the same GPU, or on a second GPU

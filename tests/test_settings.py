@@ -83,6 +83,31 @@ def test_up_splits_gpu_memory_between_workers_sharing_a_gpu():
     assert (router.served_model_name, router.max_model_len) == ("m", 1024)
 
 
+def test_up_starts_one_worker_per_listed_device_unless_told_otherwise():
+    """--prefill/--decode auto: one worker per device of --prefill-devices/--decode-devices
+    (1 where none is listed); a count above that places workers on the devices in turn. Two
+    GPUs each holding a prefill and a decode worker split each GPU 0.25/0.75."""
+    def plan_for(*flags):
+        return ClusterPlan.from_args(build_parser().parse_args(["up", *flags]))
+
+    def utilization(plan, role, index):
+        return role_config(role, build_parser().parse_args(
+            [role, *plan.worker_argv(role, index)])).engine.gpu_memory_utilization
+
+    plan = plan_for()
+    assert plan._workers() == [("prefill", 0), ("decode", 0)]
+    plan = plan_for("--prefill-devices", "cuda:0,cuda:1", "--decode-devices", "cuda:0,cuda:1",
+                    "--gpu-memory-utilization", "0.8")
+    assert plan._workers() == [("prefill", 0), ("prefill", 1), ("decode", 0), ("decode", 1)]
+    assert [plan.device_of("decode", i) for i in (0, 1)] == ["cuda:0", "cuda:1"]
+    assert [utilization(plan, "prefill", i) for i in (0, 1)] == [pytest.approx(0.2)] * 2
+    assert [utilization(plan, "decode", i) for i in (0, 1)] == [pytest.approx(0.6)] * 2
+    plan = plan_for("--decode", "3", "--decode-devices", "cuda:0,cuda:1")
+    assert [plan.device_of("decode", i) for i in range(plan.worker_count("decode"))] == [
+        "cuda:0", "cuda:1", "cuda:0"]
+    assert plan.worker_count("prefill") == 1
+
+
 def test_up_resolves_auto_devices_and_router_count_from_the_host(monkeypatch):
     """--device auto shares a GPU only on a host with one (a CPU cluster neither splits memory
     nor yields to prefill); --routers auto starts one router per 4 cores, at most 4, where a
