@@ -319,14 +319,15 @@ def test_peer_copier_moves_pages_between_two_gpus():
 
 
 @pytest.mark.parametrize("remote_device", ["cuda:0", "cuda:1"], ids=["one-gpu", "two-gpus"])
-def test_writes_sent_together_keep_their_page_ids_until_copied(remote_device):
-    """A step's writes to one decode pool go as one copy per layer group, on the sender's
-    streams, with their page ids concatenated on the current streams and dropped with the step,
-    right after launch. Those ids must outlive the copies: here the copy streams are held
-    back while the current streams take every free block of that size and fill it with the
-    null page, and the pages must still land where they were meant to."""
+def test_writes_sent_together_keep_their_page_ids_until_copied(remote_device, monkeypatch):
+    """A step's writes to one decode pool go as one copy per layer group on the sender's
+    streams, their page ids concatenated on the current streams and dropped with the step's
+    batch right after launch, while the copies may not have run. The caching allocator must
+    not hand those ids' memory to anything else until the copy streams are past them: once
+    dropped, the blocks are pending-free (the allocator waits on the copy streams), and the
+    pages land where they were meant to."""
+    from kv_transfer import cuda_ipc_engine
     from kv_transfer.base import PageWrite
-    from kv_transfer.cuda_ipc_engine import CudaIpcSender, PeerCopier, RemotePool
 
     if torch.cuda.device_count() <= int(remote_device[-1]):
         pytest.skip("needs a second GPU")
@@ -334,30 +335,38 @@ def test_writes_sent_together_keep_their_page_ids_until_copied(remote_device):
     local = KVPool(layout, num_pages=64, dtype=torch.bfloat16, device=torch.device("cuda:0"))
     local.tensor.normal_()
     remote = torch.zeros_like(local.tensor, device=remote_device)
-    sender = CudaIpcSender(local)
-    copier = PeerCopier(sender.stream, local.tensor, remote) if remote_device != "cuda:0" \
-        else None
+    sender = cuda_ipc_engine.CudaIpcSender(local)
+    copier = cuda_ipc_engine.PeerCopier(sender.stream, local.tensor, remote) \
+        if remote_device != "cuda:0" else None
     rng = random.Random(5)
     src_pages, dst_pages = rng.sample(range(1, 64), 24), rng.sample(range(1, 64), 24)
-    writes = [sender.start_write(RemotePool(remote, copier), src_pages[i:i + 8],
+    writes = [sender.start_write(cuda_ipc_engine.RemotePool(remote, copier), src_pages[i:i + 8],
                                  dst_pages[i:i + 8]) for i in range(0, 24, 8)]
-    torch.cuda.synchronize()
-    with torch.cuda.stream(sender.stream):
-        torch.cuda._sleep(200_000_000)        # the copies queue behind this
+    ids: dict[int, torch.device] = {}
+    copy = cuda_ipc_engine._IpcWrite._copy
+
+    def spy(self, layers, src, dst):  # noqa: ANN001, ANN202
+        ids.update({src.data_ptr(): src.device, dst.data_ptr(): dst.device})
+        return copy(self, layers, src, dst)
+
+    monkeypatch.setattr(cuda_ipc_engine._IpcWrite, "_copy", spy)
     hook = PageWrite.fan_out(writes)
     assert hook is not None
     for layer in range(layout.num_layers):
         hook(layer)
     del hook                                  # as the step's batch is, right after launch
-    taken = [torch.zeros(24, dtype=torch.int32, device=device)
-             for device in {local.tensor.device, remote.device} for _ in range(4000)]
+    assert len(ids) == 2                      # the concatenated ids, one tensor each side
+    states = {block["address"]: block["state"] for segment in torch.cuda.memory_snapshot()
+              for block in segment["blocks"]}
+    # (torch's docs name the state "active_awaiting_free"; it reports "active_pending_free")
+    assert all(states.get(address, "merged into a free block") in
+               ("active_pending_free", "active_awaiting_free") for address in ids), states
     for device in {local.tensor.device, remote.device}:
         torch.cuda.synchronize(device)
     assert all(w.done and w.error is None for w in writes)
     assert torch.equal(remote[:, :, dst_pages].cpu(), local.tensor[:, :, src_pages].cpu())
     untouched = [p for p in range(64) if p not in dst_pages]
     assert not remote[:, :, untouched].any()
-    del taken
 
 
 @pytest.mark.parametrize("decode_device", ["cuda:0", "cuda:1"], ids=["one-gpu", "two-gpus"])
