@@ -429,6 +429,46 @@ def test_up_with_prefill_and_decode_on_their_own_gpus(capfd):
     _assert_no_ipc_mapping_left(capfd)
 
 
+def test_up_with_both_roles_on_each_of_two_gpus(capfd):
+    """The layout that served fastest on two GPUs (`--prefill-devices cuda:0,cuda:1
+    --decode-devices cuda:0,cuda:1`): a prefill and a decode worker on each GPU, one per
+    listed device without counts. Decode is listed the other way round here and requests go in
+    turn, so each prefill worker hands off to the other GPU's decode worker (peer copies, both
+    directions); a burst gives the reference's tokens, and every page comes back."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs a second GPU")
+    cluster = start_cluster(["--model", "small", "--page-size", "16", "--num-pages", "4096",
+                             "--prefill-devices", "cuda:0,cuda:1",
+                             "--decode-devices", "cuda:1,cuda:0",
+                             "--router-policy", "round_robin"])
+    reference = ModelRunner(EngineConfig(model="small", page_size=16, num_pages=1024,
+                                         attention_backend="torch"), "prefill")
+    rng = random.Random(12)
+    prompts = [[rng.randrange(256) for _ in range(rng.randrange(5, 400))] for _ in range(16)]
+
+    def run(prompt: list[int]) -> list[int]:
+        return generate(cluster.stub(), token_ids=generate_pb2.TokenIds(ids=prompt),
+                        sampling=generate_pb2.SamplingParams(max_new_tokens=16,
+                                                             ignore_eos=True))[0]
+
+    try:
+        assert [cluster.worker_info("prefill", i).device for i in (0, 1)] == ["cuda:0", "cuda:1"]
+        assert [cluster.worker_info("decode", i).device for i in (0, 1)] == ["cuda:1", "cuda:0"]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            outputs = list(pool.map(run, prompts))
+        for prompt, got in zip(prompts, outputs):
+            expected = local.generate(reference, prompt, SamplingParams(max_new_tokens=16))
+            _assert_same_or_near_tie(reference, prompt, expected, got, tolerance=0.25)
+        for i in (0, 1):
+            prefill = cluster.worker_info("prefill", i)
+            assert list(prefill.kv_transfer_engines) == ["cuda_ipc"] and pages_at_rest(prefill)
+            decode = cluster.worker_info("decode", i)
+            assert decode.free_pages == decode.total_pages
+    finally:
+        stop_cluster(cluster)
+    _assert_no_ipc_mapping_left(capfd)
+
+
 def test_sampling_kernel_matches_the_torch_formula():
     """The fused Gumbel-argmax kernel draws what the torch formula draws (rows apart from rare
     float near-ties), and a greedy row is exactly argmax."""
