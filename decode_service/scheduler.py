@@ -195,6 +195,7 @@ class DecodeLoop:
     def _run(self) -> None:
         try:
             self._loop()
+            self.steps.runner.profiler.close()
         except BaseException as err:  # noqa: BLE001 - the event loop must learn of it
             log.exception("decode loop died")
             if self._event_loop is not None and self._crashed is not None:

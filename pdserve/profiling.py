@@ -3,7 +3,8 @@ where a served step's time goes: the host's ops and the GPU's kernels on one tim
 
 The trace covers steps FIRST to FIRST + COUNT - 1 (``--profile-steps``, counted from the worker's
 start), is written as Chrome trace JSON (open it in Perfetto or chrome://tracing) and the worker
-goes on serving. Started and stopped on the thread that launches steps.
+goes on serving; a worker that stops first writes the steps it traced. Started and stopped on
+the thread that launches steps.
 """
 from __future__ import annotations
 
@@ -54,8 +55,14 @@ class StepProfiler:
         self._profile = profile(activities=activities)
         self._profile.__enter__()
         # A worker that stops before the last named step writes no trace: say what to expect.
-        log.info("profiling steps %d..%d; the trace is written when step %d starts",
-                 self.first, self.first + self.count - 1, self.first + self.count)
+        log.info("profiling steps %d..%d; the trace is written when step %d starts or the "
+                 "worker stops", self.first, self.first + self.count - 1, self.first + self.count)
+
+    def close(self) -> None:
+        """At shutdown, on the thread that launches steps: a trace still being taken is
+        written with the steps it has (a worker stopped early still leaves one)."""
+        if self._profile is not None:
+            self._stop()
 
     def _stop(self) -> None:
         profile, self._profile = self._profile, None
@@ -63,4 +70,5 @@ class StepProfiler:
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / f"{self.name}-{os.getpid()}.json"
         profile.export_chrome_trace(str(path))
-        log.info("profiled steps %d..%d into %s", self.first, self.first + self.count - 1, path)
+        log.info("profiled steps %d..%d into %s", self.first, min(self._step, self.first +
+                 self.count) - 1, path)

@@ -39,6 +39,7 @@ from prefill_service.handoff import Handoff
 from prefill_service.leases import LeaseKeeper
 
 log = logging.getLogger(__name__)
+PROFILER_CLOSE_S = 30.0   # shutdown waits this long for the step thread to write a trace
 
 # --chunk-size auto: a step of about this many FLOPs, within these bounds. A step costs a fixed
 # host time (a kernel launch per op per layer, under a GIL the event loop shares) besides its
@@ -438,6 +439,13 @@ class PrefillScheduler:
     async def shutdown(self) -> None:
         for task in list(self._background):
             task.cancel()
+        # On the step thread, after any step in flight (a trace being taken is written).
+        closing = asyncio.get_running_loop().run_in_executor(self._executor,
+                                                             self.runner.profiler.close)
+        try:
+            await asyncio.wait_for(closing, PROFILER_CLOSE_S)
+        except asyncio.TimeoutError:
+            log.warning("the step thread did not stop within %g s", PROFILER_CLOSE_S)
         self._executor.shutdown(wait=False, cancel_futures=True)
         await self.links.close()
 

@@ -29,6 +29,21 @@ def test_the_named_steps_are_traced_and_serving_goes_on(tmp_path):
     assert any(e.get("name") == "aten::linear" for e in events)
 
 
+def test_a_worker_stopped_early_writes_the_steps_it_traced(tmp_path):
+    runner = ModelRunner(EngineConfig(model="tiny", num_pages=64, profile_dir=str(tmp_path),
+                                      profile_steps="1:100"), "decode")
+    pages = runner.pool.allocator.alloc(1)
+    for _ in range(3):
+        runner.step([SeqInput([1], 0, pages)], [SampleRow(SamplingParams(), 0)])
+    assert not list(tmp_path.iterdir())
+    runner.profiler.close()
+    runner.profiler.close()   # (once written, nothing more)
+    traces = list(tmp_path.iterdir())
+    assert [t.name for t in traces] == [f"decode-{os.getpid()}.json"]
+    assert any(e.get("name") == "aten::linear"
+               for e in json.loads(traces[0].read_text())["traceEvents"])
+
+
 def test_no_folder_no_trace(tmp_path):
     runner = ModelRunner(EngineConfig(model="tiny", num_pages=64, profile_steps="0:1"), "prefill")
     pages = runner.pool.allocator.alloc(1)
