@@ -1,5 +1,5 @@
 """Decode's linear layers alone: how close cuBLAS (``F.linear``) and a small-M Triton GEMM come to
-the GPU's memory bandwidth at decode batch sizes, per projection of a model.
+the GPU's memory bandwidth at decode batch sizes, per projection of a model (cuBLASLt too).
 
 At batch 64..256 a decode step's GEMMs are still weight reads: each weight byte is read once
 per step, whatever the batch. The served llama3-8b decode trace on an H200 (2026-11-24) showed
@@ -95,9 +95,12 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             turn = iter(range(1 << 62))
             row = {"proj": name, "n": n, "k": k, "m": m}
-            for impl, fn in (("cublas", F.linear), ("triton", linear)):
+            for impl, fn in (("cublas", F.linear), ("cublaslt", F.linear), ("triton", linear)):
                 if fn is None or (impl == "triton" and not 16 <= m <= 256):
                     continue
+                # cuBLASLt's heuristics pick other kernels for some of these shapes.
+                torch.backends.cuda.preferred_blas_library(
+                    "cublaslt" if impl == "cublaslt" else "cublas")
                 ms = cuda_time_ms(lambda: fn(x, weights[next(turn) % copies]), iters=args.iters,
                                   warmup=5)
                 row[f"{impl}_us"] = round(ms * 1e3, 1)
@@ -113,7 +116,7 @@ def main() -> None:
     for m in sizes:
         rows = [r for r in results if r["m"] == m]
         layers = model_config(args.model).num_layers
-        for impl in ("cublas", "triton"):
+        for impl in ("cublas", "cublaslt", "triton"):
             if all(f"{impl}_us" in r for r in rows):
                 per_step.setdefault(m, {})[f"{impl}_ms"] = round(sum(
                     r[f"{impl}_us"] * (1 if r["proj"] == "lm_head" else layers)
