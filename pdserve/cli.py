@@ -134,6 +134,9 @@ def _run(args: argparse.Namespace) -> int:
         from pdserve.launcher import ClusterPlan, run_cluster
 
         return run_cluster(ClusterPlan.from_args(args))
+    from pdserve.serving import die_with_launcher
+
+    die_with_launcher()
     config = role_config(args.command, args)
     _preflight(args.command, config)
     if args.command == "router":

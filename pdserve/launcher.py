@@ -10,7 +10,6 @@ config that differ from the defaults, as flags.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import os
 import re
@@ -37,7 +36,7 @@ from pdserve.config import (
     ServerConfig,
 )
 from pdserve.errors import ConfigError
-from pdserve.serving import worker_id
+from pdserve.serving import LAUNCHER_PID_ENV, worker_id
 from pdserve.settings import from_args, to_argv
 
 STOP_GRACE_S = 10.0
@@ -216,7 +215,7 @@ class Child:
 
     def restart(self) -> None:
         self.restarted_at.append(time.monotonic())
-        self.process = subprocess.Popen(self.command, preexec_fn=_die_with_parent)
+        self.process = _spawn(self.command)
 
     def recent_restarts(self) -> int:
         since = time.monotonic() - RESTART_WINDOW_S
@@ -241,10 +240,9 @@ class PortPicker:
                 return port
 
 
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+def _spawn(command: list[str]) -> subprocess.Popen:
+    """A child that stops when `up` dies (it asks for that itself: ``die_with_launcher``)."""
+    return subprocess.Popen(command, env={**os.environ, LAUNCHER_PID_ENV: str(os.getpid())})
 
 
 def _start(role: str, host: str, port: int, metrics: PortPicker | None, extra: list[str],
@@ -256,7 +254,7 @@ def _start(role: str, host: str, port: int, metrics: PortPicker | None, extra: l
            "--metrics-port", str(metrics_port), "--log-level", launcher.log_level,
            "--stats-interval-s", str(launcher.stats_interval_s),
            *secrets.server_flags(), *extra]
-    process = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
+    process = _spawn(cmd)
     url = f"http://{host}:{metrics_port}/metrics" if metrics else "-"
     return Child(role, f"{host}:{port}", url, cmd, process,
                  health_address=f"{host}:{health_port}" if health_port >= 0 else "")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
 import sys
@@ -28,6 +29,25 @@ STEP_THREAD_SWITCH_INTERVAL_S = 0.0005
 def favour_step_thread() -> None:
     """Makes the event loop hand the GIL back to the step thread within half a millisecond."""
     sys.setswitchinterval(STEP_THREAD_SWITCH_INTERVAL_S)
+
+
+# Set by `pdserve up` in each child's environment: the pid of the `up` it belongs to.
+LAUNCHER_PID_ENV = "PDSERVE_LAUNCHER_PID"
+
+
+def die_with_launcher() -> None:
+    """In a process `pdserve up` started: receive SIGTERM when `up` dies (PR_SET_PDEATHSIG,
+    Linux), and stop now if it is gone already. The child sets this itself, after exec: `up`
+    forks with threads running (gRPC health checks of restarted children), and Python code run
+    between fork and exec (``preexec_fn``) could deadlock there: a restart hung `up` for good."""
+    expected = os.environ.pop(LAUNCHER_PID_ENV, "")
+    if not expected or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    if os.getppid() != int(expected):   # `up` died before the signal was asked for
+        raise SystemExit(f"pdserve: the `pdserve up` that started this {sys.argv[1:2]} is gone")
 
 
 def setup_logging(level: str = "INFO") -> None:

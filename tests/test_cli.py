@@ -184,3 +184,38 @@ def test_up_stops_routers_then_prefill_then_decode(tmp_path):
     assert events == [["router", "got"], ["router", "left"], ["prefill", "got"],
                       ["prefill", "left"], ["decode", "got"], ["decode", "left"]]
     assert all(c.process.returncode == 0 for c in children)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's parent here may never reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_every_child_stops_when_up_is_killed():
+    """`up` killed outright (no chance to stop its children): each child asked at start, after
+    exec, to get SIGTERM when its parent dies, and stops. (`up` forks without running Python in
+    the child: a preexec_fn there deadlocked a restart while a health check ran on a thread.)"""
+    cluster = start_cluster()
+    pids = dict(cluster.pids)
+    assert set(pids) >= {"prefill0", "decode0", "router0"} and all(map(_running, pids.values()))
+    cluster.process.kill()
+    cluster.process.wait()
+    deadline = time.monotonic() + 120
+    while any(map(_running, pids.values())) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [name for name, pid in pids.items() if _running(pid)]
+
+
+def test_a_child_whose_up_is_gone_already_stops_at_start():
+    env = {**os.environ, "PDSERVE_LAUNCHER_PID": "1"}   # not our parent
+    out = subprocess.run([sys.executable, "-c", "from pdserve.serving import die_with_launcher; "
+                          "die_with_launcher()"], env=env, capture_output=True, text=True)
+    assert out.returncode == 1 and "is gone" in out.stderr
+    env.pop("PDSERVE_LAUNCHER_PID")
+    assert subprocess.run([sys.executable, "-c", "from pdserve.serving import die_with_launcher; "
+                           "die_with_launcher()"], env=env).returncode == 0
