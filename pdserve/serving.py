@@ -47,7 +47,8 @@ def die_with_launcher() -> None:
 
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
     if os.getppid() != int(expected):   # `up` died before the signal was asked for
-        raise SystemExit(f"pdserve: the `pdserve up` that started this {sys.argv[1:2]} is gone")
+        raise SystemExit(f"pdserve: the `pdserve up` (pid {expected}) that started this "
+                         "process is gone")
 
 
 def setup_logging(level: str = "INFO") -> None:
