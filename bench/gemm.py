@@ -1,5 +1,6 @@
 """Decode's linear layers alone: how close cuBLAS (``F.linear``) and a small-M Triton GEMM come to
-the GPU's memory bandwidth at decode batch sizes, per projection of a model (cuBLASLt too).
+the GPU's memory bandwidth at decode batch sizes, per projection of a model (cuBLASLt too),
+timed inside CUDA graphs as decode runs them.
 
 At batch 64..256 a decode step's GEMMs are still weight reads: each weight byte is read once
 per step, whatever the batch. The served llama3-8b decode trace on an H200 (2026-11-24) showed
@@ -74,6 +75,25 @@ def triton_linear():
     return linear
 
 
+def graph_time_us(call, weights: list[torch.Tensor], reps: int) -> float:
+    """GPU microseconds of one ``call(weight)``, weights in turn, from a CUDA graph of
+    ``reps`` calls (as decode runs them: timed eagerly, a small GEMM measures Python's launch,
+    not the GPU)."""
+    for weight in weights:           # compiles and autotunes outside the capture
+        call(weight)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call(weights[0])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(reps):
+            call(weights[i % len(weights)])
+    return cuda_time_ms(graph.replay, iters=5, warmup=1) * 1e3 / reps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama3-8b")
@@ -93,7 +113,6 @@ def main() -> None:
                    for _ in range(copies)]
         for m in sizes:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            turn = iter(range(1 << 62))
             row = {"proj": name, "n": n, "k": k, "m": m}
             for impl, fn in (("cublas", F.linear), ("cublaslt", F.linear), ("triton", linear)):
                 if fn is None or (impl == "triton" and not 16 <= m <= 256):
@@ -101,10 +120,9 @@ def main() -> None:
                 # cuBLASLt's heuristics pick other kernels for some of these shapes.
                 torch.backends.cuda.preferred_blas_library(
                     "cublaslt" if impl == "cublaslt" else "cublas")
-                ms = cuda_time_ms(lambda: fn(x, weights[next(turn) % copies]), iters=args.iters,
-                                  warmup=5)
-                row[f"{impl}_us"] = round(ms * 1e3, 1)
-                row[f"{impl}_of_copy_bw"] = round(weight_bytes / (ms / 1e3) / bandwidth, 3)
+                us = graph_time_us(lambda w, fn=fn: fn(x, w), weights, args.iters)
+                row[f"{impl}_us"] = round(us, 1)
+                row[f"{impl}_of_copy_bw"] = round(weight_bytes / (us / 1e6) / bandwidth, 3)
             if linear is not None and "triton_us" in row:
                 ref = F.linear(x, weights[0]).float()
                 row["triton_max_rel_err"] = round(
