@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import random
 import re
 import signal
 import socket
@@ -222,22 +223,50 @@ class Child:
         return sum(1 for t in self.restarted_at if t > since)
 
 
+def _ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel takes local ports of outgoing connections from."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999   # Linux's default
+
+
 class PortPicker:
-    """Free ports for the children, never the same one twice (the kernel may offer a port
-    again as soon as its probe socket closes, before the child has bound it)."""
+    """Free ports for the children, never the same one twice, drawn at random from below the
+    kernel's ephemeral range: a port taken there (by binding port 0) could be given to an
+    outgoing connection before the child binds it (a router once failed to start with "Address
+    already in use" on its metrics port so), and a port there is offered again as soon as its
+    probe socket closes."""
 
     def __init__(self, host: str) -> None:
         self.host = host
         self.handed_out: set[int] = set()
+        low, _ = _ephemeral_ports()
+        self.range = (max(1024, low - 16384), low - 1) if low > 2048 else None
+        self._random = random.Random()
 
     def __call__(self) -> int:
-        while True:
+        for _ in range(200 if self.range else 0):
+            port = self._random.randint(*self.range)
+            if port not in self.handed_out and self._free(port):
+                self.handed_out.add(port)
+                return port
+        while True:   # no room below the ephemeral range: whatever the kernel offers
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
                 sock.bind((self.host, 0))
                 port = sock.getsockname()[1]
             if port not in self.handed_out:
                 self.handed_out.add(port)
                 return port
+
+    def _free(self, port: int) -> bool:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((self.host, port))
+            except OSError:
+                return False
+        return True
 
 
 def _spawn(command: list[str]) -> subprocess.Popen:

@@ -42,11 +42,10 @@ CLUSTER_FLAGS = [*ENGINE_FLAGS, *PREFILL_FLAGS, *DECODE_FLAGS, "--health-interva
 
 
 def free_port() -> int:
-    import socket
+    """A free port below the ephemeral range (as `up` picks its children's)."""
+    from pdserve.launcher import PortPicker
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return PortPicker("127.0.0.1")()
 
 
 @dataclass

@@ -219,3 +219,19 @@ def test_a_child_whose_up_is_gone_already_stops_at_start():
     env.pop("PDSERVE_LAUNCHER_PID")
     assert subprocess.run([sys.executable, "-c", "from pdserve.serving import die_with_launcher; "
                            "die_with_launcher()"], env=env).returncode == 0
+
+
+def test_ports_for_children_come_from_below_the_ephemeral_range():
+    """An outgoing connection can take an ephemeral port between `up` picking it and the child
+    binding it; ports below that range are taken only by an explicit bind."""
+    import socket
+
+    from pdserve.launcher import PortPicker, _ephemeral_ports
+
+    picker = PortPicker("127.0.0.1")
+    low, _ = _ephemeral_ports()
+    ports = [picker() for _ in range(50)]
+    assert len(set(ports)) == 50 and all(1024 <= p < low for p in ports)
+    for port in ports[:5]:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
