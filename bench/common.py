@@ -5,7 +5,6 @@ import collections
 import json
 import platform
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -55,9 +54,10 @@ def write_results(path: str, name: str, results: dict[str, Any]) -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free port for `pdserve up`, picked as `up` picks its children's."""
+    from pdserve.launcher import PortPicker
+
+    return PortPicker("127.0.0.1")()
 
 
 def start_up(flags: list[str]) -> tuple[subprocess.Popen, str, dict[str, str]]:

@@ -131,9 +131,9 @@ def main() -> None:
             results.append(row)
             print(" ".join(f"{key}={value}" for key, value in row.items()), flush=True)
     per_step = {}
+    layers = model_config(args.model).num_layers
     for m in sizes:
         rows = [r for r in results if r["m"] == m]
-        layers = model_config(args.model).num_layers
         for impl in ("cublas", "cublaslt", "triton"):
             if all(f"{impl}_us" in r for r in rows):
                 per_step.setdefault(m, {})[f"{impl}_ms"] = round(sum(

@@ -104,8 +104,8 @@ class ClusterPlan:
             raise ConfigError(f"--routers {launcher.routers}: give a number of router "
                               "processes, or 0 (auto)")
         self.launcher = launcher = dataclasses.replace(
-            launcher, prefill=self.worker_count("prefill"), decode=self.worker_count("decode"))
-        self.launcher = launcher = dataclasses.replace(launcher, routers=self.router_count())
+            launcher, prefill=self.worker_count("prefill"), decode=self.worker_count("decode"),
+            routers=self.router_count())
         check_engine(self.engine)
         for role, index in self._workers():
             check_device(self.device_of(role, index))

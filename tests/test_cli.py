@@ -212,11 +212,13 @@ def test_every_child_stops_when_up_is_killed():
 
 
 def test_a_child_whose_up_is_gone_already_stops_at_start():
-    env = {**os.environ, "PDSERVE_LAUNCHER_PID": "1"}   # not our parent
+    from pdserve.serving import LAUNCHER_PID_ENV
+
+    env = {**os.environ, LAUNCHER_PID_ENV: "1"}   # not our parent
     out = subprocess.run([sys.executable, "-c", "from pdserve.serving import die_with_launcher; "
                           "die_with_launcher()"], env=env, capture_output=True, text=True)
     assert out.returncode == 1 and "is gone" in out.stderr
-    env.pop("PDSERVE_LAUNCHER_PID")
+    env.pop(LAUNCHER_PID_ENV)
     assert subprocess.run([sys.executable, "-c", "from pdserve.serving import die_with_launcher; "
                            "die_with_launcher()"], env=env).returncode == 0
 
