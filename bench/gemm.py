@@ -39,38 +39,52 @@ def projections(name: str) -> dict[str, tuple[int, int]]:
             "lm_head": (cfg.vocab_size, cfg.hidden_size)}
 
 
-def triton_linear():
+def triton_linear(split_k: bool = False):
+    """A Triton GEMM for decode's small batches: ``y = x @ w.T``, computed as ``(w @ x.T).T`` so
+    the weight's rows fill the tensor cores' M side and the batch their N side ("swap AB").
+    With ``split_k`` the K loop is also spread over programs that add their partial sums into a
+    zeroed fp32 buffer (for shapes with too few weight tiles to fill the GPU)."""
     import triton
     import triton.language as tl
 
-    configs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_stages=s, num_warps=4)
-               for bn in (32, 64, 128) for bk in (64, 128) for s in (3, 4)]
+    configs = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk}, num_stages=s,
+                             num_warps=w)
+               for bn in (64, 128) for bk in (64, 128) for s in (3, 5) for w in (4,)
+               for sk in ((1, 2, 4, 8) if split_k else (1,))]
 
-    @triton.autotune(configs=configs, key=["M", "N", "K"])
+    @triton.autotune(configs=configs, key=["M", "N", "K"],
+                     reset_to_zero=["y"] if split_k else None)
     @triton.jit
     def _kernel(x, w, y, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr):
+                BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.arange(0, BLOCK_M)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for start in range(0, K, BLOCK_K):
+        per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+        first = tl.program_id(1) * per_split
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        for start in range(first, tl.minimum(first + per_split, K), BLOCK_K):
             ks = start + tl.arange(0, BLOCK_K)
-            a = tl.load(x + rows[:, None] * K + ks[None, :],
-                        mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)
-            b = tl.load(w + cols[None, :].to(tl.int64) * K + ks[:, None],
-                        mask=(cols[None, :] < N) & (ks[:, None] < K), other=0.0)
-            acc = tl.dot(a, b, acc)
-        tl.store(y + rows[:, None] * N + cols[None, :], acc.to(y.dtype.element_ty),
-                 mask=(rows[:, None] < M) & (cols[None, :] < N))
+            b = tl.load(w + cols[:, None].to(tl.int64) * K + ks[None, :],
+                        mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0)
+            a = tl.load(x + rows[None, :] * K + ks[:, None],
+                        mask=(rows[None, :] < M) & (ks[:, None] < K), other=0.0)
+            acc = tl.dot(b, a, acc)
+        out = y + rows[None, :] * N + cols[:, None]
+        mask = (rows[None, :] < M) & (cols[:, None] < N)
+        if SPLIT_K == 1:
+            tl.store(out, acc.to(y.dtype.element_ty), mask=mask)
+        else:
+            tl.atomic_add(out, acc, mask=mask, sem="relaxed")
 
     def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         m, k = x.shape
         n = weight.shape[0]
-        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        y = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if split_k else
+             torch.empty(m, n, dtype=x.dtype, device=x.device))
         block_m = max(16, triton.next_power_of_2(m))
-        _kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
+        _kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])](
             x, weight, y, m, n, k, BLOCK_M=block_m)
-        return y
+        return y.to(x.dtype) if split_k else y
 
     return linear
 
@@ -105,6 +119,7 @@ def main() -> None:
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     bandwidth = copy_bandwidth_bytes_per_s()
     linear = None if args.no_triton else triton_linear()
+    split = None if args.no_triton else triton_linear(split_k=True)
     results = []
     for name, (n, k) in projections(args.model).items():
         weight_bytes = n * k * 2
@@ -114,8 +129,9 @@ def main() -> None:
         for m in sizes:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             row = {"proj": name, "n": n, "k": k, "m": m}
-            for impl, fn in (("cublas", F.linear), ("cublaslt", F.linear), ("triton", linear)):
-                if fn is None or (impl == "triton" and not 16 <= m <= 256):
+            for impl, fn in (("cublas", F.linear), ("cublaslt", F.linear), ("triton", linear),
+                             ("triton_splitk", split)):
+                if fn is None or (impl.startswith("triton") and not 16 <= m <= 256):
                     continue
                 # cuBLASLt's heuristics pick other kernels for some of these shapes.
                 torch.backends.cuda.preferred_blas_library(
@@ -123,18 +139,19 @@ def main() -> None:
                 us = graph_time_us(lambda w, fn=fn: fn(x, w), weights, args.iters)
                 row[f"{impl}_us"] = round(us, 1)
                 row[f"{impl}_of_copy_bw"] = round(weight_bytes / (us / 1e6) / bandwidth, 3)
-            if linear is not None and "triton_us" in row:
-                ref = F.linear(x, weights[0]).float()
-                row["triton_max_rel_err"] = round(
-                    ((linear(x, weights[0]).float() - ref).abs().max() /
-                     ref.abs().max()).item(), 5)
+            for impl, fn in (("triton", linear), ("triton_splitk", split)):
+                if f"{impl}_us" in row:
+                    ref = F.linear(x, weights[0]).float()
+                    row[f"{impl}_max_rel_err"] = round(
+                        ((fn(x, weights[0]).float() - ref).abs().max() /
+                         ref.abs().max()).item(), 5)
             results.append(row)
             print(" ".join(f"{key}={value}" for key, value in row.items()), flush=True)
     per_step = {}
     layers = model_config(args.model).num_layers
     for m in sizes:
         rows = [r for r in results if r["m"] == m]
-        for impl in ("cublas", "cublaslt", "triton"):
+        for impl in ("cublas", "cublaslt", "triton", "triton_splitk"):
             if all(f"{impl}_us" in r for r in rows):
                 per_step.setdefault(m, {})[f"{impl}_ms"] = round(sum(
                     r[f"{impl}_us"] * (1 if r["proj"] == "lm_head" else layers)

@@ -65,6 +65,10 @@ class EngineConfig(ModelSource):
     fused_rope_kv: bool = setting(True, "(q/k norm,) RoPE and the K/V store as one Triton "
                                   "kernel, inside CUDA graphs and in eager steps of 256 tokens "
                                   "or more (prefill)")
+    graph_blas: str = setting("cublaslt", "BLAS library decode's CUDA graphs are captured with "
+                              "(their linear layers): cublaslt (its heuristics split the long-K "
+                              "down projection better at decode batches) or cublas",
+                              choices=("cublaslt", "cublas"))
     triton_gemv: bool = setting(True, "inside CUDA graphs, batch-1 linear layers as a Triton "
                                 "GEMV (else cuBLAS)")
     overlap_scheduling: bool = setting(True, "prepare and launch step n+1 while step n runs on "

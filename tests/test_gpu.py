@@ -128,13 +128,17 @@ def test_gemv_kernel_matches_linear(dtype, n, k, bias):
 
 @pytest.mark.parametrize("model", ["small", "qwen3-0.6b"])
 @pytest.mark.parametrize("rows", [1, 5])
-def test_cuda_graph_decode_step_matches_eager_step(model, rows):
+@pytest.mark.parametrize("blas", ["cublaslt", "cublas"])
+def test_cuda_graph_decode_step_matches_eager_step(model, rows, blas):
     """Captured graphs store K/V with the fused RoPE kernel (float32 rotation, one rounding)
-    and, at batch 1, run the linear layers as Triton GEMVs; eager steps use the separate
-    kernels and cuBLAS: logits and stored K/V agree to bf16 rounding."""
+    and run the linear layers with ``--graph-blas``'s library (at batch 1 as Triton GEMVs);
+    eager steps use the separate kernels and torch's default BLAS: logits and stored K/V agree
+    to bf16 rounding, and the capture leaves torch's default as it was."""
+    default = torch.backends.cuda.preferred_blas_library()
     runner = ModelRunner(EngineConfig(model=model, page_size=16, num_pages=512,
-                                      cuda_graph_max_bs=8), "decode")
+                                      cuda_graph_max_bs=8, graph_blas=blas), "decode")
     assert runner.graphs is not None and runner.backend_name == "fi"
+    assert torch.backends.cuda.preferred_blas_library() == default
     assert runner.model.fuse_rope_kv
     rng = random.Random(3)
     seqs = []

@@ -7,9 +7,11 @@ owns every capture and replay buffer.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -32,9 +34,21 @@ def capture_sizes(max_bs: int) -> list[int]:
     return sizes
 
 
+@contextlib.contextmanager
+def preferred_blas(library: str) -> Iterator[None]:
+    """GEMMs chosen and captured inside pick their kernels from ``library`` (a process-wide
+    torch setting, restored after: a graph keeps the kernels it was captured with)."""
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(library)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
 class CudaGraphRunner:
     def __init__(self, model: CausalLM, attn: AttentionBackend, pool: KVPool, max_bs: int,
-                 max_seq_len: int) -> None:
+                 max_seq_len: int, blas: str = "cublas") -> None:
         self.model = model
         self.attn = attn
         self.pool = pool
@@ -48,9 +62,10 @@ class CudaGraphRunner:
         self.outputs: dict[int, torch.Tensor] = {}
         started = time.perf_counter()
         attn.init_capture_graph(max_seq_len, self.bs_list)
-        self._capture_all()
-        log.info("captured %d CUDA graphs (batch sizes %d..%d) in %.1f s", len(self.graphs),
-                 self.bs_list[0], self.max_bs, time.perf_counter() - started)
+        with preferred_blas(blas):
+            self._capture_all()
+        log.info("captured %d CUDA graphs (batch sizes %d..%d, %s) in %.1f s", len(self.graphs),
+                 self.bs_list[0], self.max_bs, blas, time.perf_counter() - started)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:

@@ -129,7 +129,8 @@ class ModelRunner:
         if (role == "decode" and self.device.type == "cuda" and not config.disable_cuda_graph
                 and self._backend_supports_graphs()):
             self.graphs = CudaGraphRunner(self.model, self.attn, self.pool,
-                                          config.cuda_graph_max_bs, self.model_config.max_model_len)
+                                          config.cuda_graph_max_bs, self.model_config.max_model_len,
+                                          config.graph_blas)
 
     def _backend_supports_graphs(self) -> bool:
         supported = type(self.attn).init_capture_graph is not AttentionBackend.init_capture_graph
