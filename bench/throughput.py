@@ -13,6 +13,7 @@ decode stepped, yielded or waited.
     python bench/throughput.py --model /tmp/q06 --up-args "--kv-cache-gb 40"
     python bench/throughput.py --model /tmp/q06 --up-args "--prefill-devices cuda:0 --decode-devices cuda:1"
     python bench/throughput.py --model /tmp/q06 --peer-json minisgl.json   # adds the ratio
+    python bench/throughput.py --model /tmp/q06 --repeats 3   # the median of three runs
     python bench/throughput.py --model /tmp/q06 --api both   # gRPC, then the OpenAI HTTP API
                                                              # (SSE) on the same cluster
     python bench/throughput.py --model /tmp/q06 --up-args "--routers 4" --timeline 0.1
@@ -311,15 +312,22 @@ def main() -> None:
     parser.add_argument("--timeline", type=float, default=0.0, metavar="SECONDS",
                         help="sample the workers' counters this often during the measured run "
                         "and write them to the JSON (0: off)")
+    parser.add_argument("--repeats", type=int, default=1, help="measured runs of the workload "
+                        "on the same cluster, each with other first tokens (nothing for the "
+                        "prefix cache); the JSON's figures are the median run's, with every "
+                        "run's throughput beside them (one run varies by a few percent)")
     parser.add_argument("--label", default="", help="name of this configuration in the JSON")
     parser.add_argument("--out", default="bench/results/throughput.json")
     args = parser.parse_args()
     if args.peer_json and not Path(args.peer_json).is_file():
         parser.error(f"--peer-json {args.peer_json}: no such file")
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
 
     prompts, outputs = workload(args.num_seqs, args.max_input, args.max_output)
     process = None
     decode_metrics = ""
+    metrics: dict[str, str] = {}
     router_metrics: list[str] = []
     router = args.router
     http_url = ""
@@ -336,33 +344,26 @@ def main() -> None:
         vocab_size = model_vocab(router)
         if vocab_size <= 10000:   # a small test model: the same draws, folded into its vocabulary
             prompts = [[t % vocab_size for t in p] for p in prompts]
+        # Each measured run its own first tokens, the first run the workload as drawn: the
+        # prefix cache holds nothing of an earlier run (warm-ups far off those shifts).
+        def first_tokens_moved(seqs: list[list[int]], shift: int) -> list[list[int]]:
+            return [[(p[0] + shift) % vocab_size] + p[1:] for p in seqs]
+
+        measured = 0
         for k, api in enumerate(apis):
             target = http_url if api == "http" else router
-            if k:   # another first token: the prefix cache holds nothing of the earlier run
-                prompts = [[(p[0] + 1) % vocab_size] + p[1:] for p in prompts]
-            # Warm-up: a slice of the workload with other first tokens (nothing for the prefix
-            # cache), so batched prefill, the KV copies and the graphs have run once: the first
-            # measured run would otherwise pay for JIT compiles while serving.
-            warm = [[(p[0] + 7 + k) % vocab_size] + p[1:] for p in prompts[:args.warmup_seqs]]
+            # Warm-up: a slice of the workload, so batched prefill, the KV copies and the
+            # graphs have run once: the first measured run would otherwise pay for JIT
+            # compiles while serving.
+            warm = first_tokens_moved(prompts[:args.warmup_seqs], WARMUP_SHIFT + k)
             run_clients(target, warm or [prompts[0][:16]], [64] * len(warm) or [4],
                         args.temperature, min(args.clients, max(len(warm), 1)), args.connections)
-            before = scrape(decode_metrics) if decode_metrics else None
-            router_before = router_usage(router_metrics)
-            print(f"measuring {api}", file=sys.stderr, flush=True)
-            timeline = (Timeline(metrics, args.timeline) if args.timeline > 0 and decode_metrics
-                        else contextlib.nullcontext())
-            with timeline:
-                results, wall_s, started = run_clients(target, prompts, outputs,
-                                                       args.temperature, args.clients,
-                                                       args.connections)
-            after = scrape(decode_metrics) if decode_metrics else None
-            router_cpu = [(cpu - cpu0, done - done0) for (cpu, done), (cpu0, done0)
-                          in zip(router_usage(router_metrics), router_before)]
-            rows.append(_row(args, api, results, wall_s, outputs, before, after, router_cpu))
-            if isinstance(timeline, Timeline):
-                rows[-1]["timeline"] = timeline.summary(started)
-                print(json.dumps({k: v for k, v in rows[-1]["timeline"].items()
-                                  if k not in ("columns", "samples")}), flush=True)
+            runs = []
+            for _ in range(args.repeats):
+                runs.append(measure(args, api, target, first_tokens_moved(prompts, measured),
+                                    outputs, decode_metrics, router_metrics, metrics))
+                measured += 1
+            rows.append(median_run(runs))
     finally:
         if process is not None:
             process.send_signal(signal.SIGTERM)
@@ -373,6 +374,47 @@ def main() -> None:
     if len(rows) > 1:
         print(json.dumps({"http_to_grpc": row["http_to_grpc"]}), flush=True)
     write_results(args.out, "throughput", row)
+
+
+WARMUP_SHIFT = 1000   # first-token shift of warm-up prompts, clear of the measured runs
+
+
+def measure(args: argparse.Namespace, api: str, target: str, prompts: list[list[int]],
+            outputs: list[int], decode_metrics: str, router_metrics: list[str],
+            metrics: dict[str, str]) -> dict:
+    """One measured run of the workload: its row (with the timeline, if asked for)."""
+    before = scrape(decode_metrics) if decode_metrics else None
+    router_before = router_usage(router_metrics)
+    print(f"measuring {api}", file=sys.stderr, flush=True)
+    timeline = (Timeline(metrics, args.timeline) if args.timeline > 0 and decode_metrics
+                else contextlib.nullcontext())
+    with timeline:
+        results, wall_s, started = run_clients(target, prompts, outputs, args.temperature,
+                                               args.clients, args.connections)
+    after = scrape(decode_metrics) if decode_metrics else None
+    router_cpu = [(cpu - cpu0, done - done0) for (cpu, done), (cpu0, done0)
+                  in zip(router_usage(router_metrics), router_before)]
+    row = _row(args, api, results, wall_s, outputs, before, after, router_cpu)
+    if isinstance(timeline, Timeline):
+        row["timeline"] = timeline.summary(started)
+        print(json.dumps({k: v for k, v in row["timeline"].items()
+                          if k not in ("columns", "samples")}), flush=True)
+    return row
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run of median throughput (the lower middle one of an even count), with every run's
+    throughput and ratio beside it."""
+    if len(runs) == 1:
+        return runs[0]
+    ordered = sorted(runs, key=lambda r: r["throughput_tok_s"])
+    row = dict(ordered[(len(runs) - 1) // 2])
+    row["repeats"] = {"throughput_tok_s": [r["throughput_tok_s"] for r in runs]}
+    if "ratio_to_peer" in row:
+        row["repeats"]["ratio_to_peer"] = [r["ratio_to_peer"] for r in runs]
+    print(json.dumps({"median_of": len(runs), "median_tok_s": row["throughput_tok_s"],
+                      "runs": row["repeats"]}), flush=True)
+    return row
 
 
 def _row(args: argparse.Namespace, api: str, results: list[dict], wall_s: float,
