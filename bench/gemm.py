@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import copy_bandwidth_bytes_per_s, cuda_time_ms, write_results  # noqa: E402
 
+from pdserve.engine.cuda_graph import preferred_blas  # noqa: E402
 from pdserve.models.presets import model_config  # noqa: E402
 
 L2_MARGIN_BYTES = 256 << 20   # weight copies per shape: at least this much, so none stays in L2
@@ -136,9 +137,8 @@ def main() -> None:
                 if fn is None or (impl.startswith("triton") and not 16 <= m <= 256):
                     continue
                 # cuBLASLt's heuristics pick other kernels for some of these shapes.
-                torch.backends.cuda.preferred_blas_library(
-                    "cublaslt" if impl == "cublaslt" else "cublas")
-                us = graph_time_us(lambda w, fn=fn: fn(x, w), weights, args.iters)
+                with preferred_blas("cublaslt" if impl == "cublaslt" else "cublas"):
+                    us = graph_time_us(lambda w, fn=fn: fn(x, w), weights, args.iters)
                 row[f"{impl}_us"] = round(us, 1)
                 row[f"{impl}_of_copy_bw"] = round(weight_bytes / (us / 1e6) / bandwidth, 3)
             for impl, fn in (("triton", linear), ("triton_splitk", split)):

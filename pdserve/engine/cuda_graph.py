@@ -48,7 +48,7 @@ def preferred_blas(library: str) -> Iterator[None]:
 
 class CudaGraphRunner:
     def __init__(self, model: CausalLM, attn: AttentionBackend, pool: KVPool, max_bs: int,
-                 max_seq_len: int, blas: str = "cublas") -> None:
+                 max_seq_len: int, blas: str) -> None:
         self.model = model
         self.attn = attn
         self.pool = pool
