@@ -3,6 +3,7 @@ side; one-sided engines extend the sender to write layer by layer during the pre
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -122,8 +123,9 @@ class PageWrite(ABC):
     sends every layer at once (after the step). ``wait`` returns when everything has landed and
     raises unless every layer was sent; ``settle`` only waits for what was sent to land, so the
     source pages can be freed and the decode side told that no more writes will come.
-    ``on_sent``, if set, runs on the step's thread once the last layer is on its way (before it
-    has landed): the hand-off commits from there, so the Commit overlaps the end of the step.
+    ``on_sent``, if set, runs once the last layer is on its way (before it has landed), handed to
+    the ``deliver`` of the step's ``fan_out``: the hand-off commits from there, so the commit
+    overlaps the end of the step.
     """
 
     def __init__(self, num_layers: int) -> None:
@@ -147,10 +149,14 @@ class PageWrite(ABC):
             self.on_sent()
 
     @staticmethod
-    def fan_out(writes: list[PageWrite]) -> Callable[[int], None] | None:
+    def fan_out(writes: list[PageWrite], deliver: Callable[[Callable[[], None]], object]
+                ) -> Callable[[int], None] | None:
         """A prefill step's per-layer hook for all its layer-wise writes. Writes of one engine
         to one destination may go together (``together``): a step that finishes many prompts
-        then costs one send per layer group, not one per prompt."""
+        then costs one send per layer group, not one per prompt. The ``on_sent`` callbacks a
+        layer fires are handed to ``deliver`` as one call (the scheduler's: one hop onto its
+        event loop, where the commits of every prompt the step finished then go in one
+        Report)."""
         if not writes:
             return None
         groups: dict[object, list[PageWrite]] = {}
@@ -158,10 +164,21 @@ class PageWrite(ABC):
             groups.setdefault((type(write), write.destination), []).append(write)
         senders = [group[0].together(group) if len(group) > 1 else group[0].on_layer
                    for group in groups.values()]
+        fired: list[Callable[[], None]] = []
+        for write in writes:   # this hook is the one way a write's on_sent is run
+            if write.on_sent is not None:
+                write.on_sent = functools.partial(fired.append, write.on_sent)
+
+        def run(callbacks: list[Callable[[], None]]) -> None:
+            for callback in callbacks:
+                callback()
 
         def on_layer(layer: int) -> None:
             for send in senders:
                 send(layer)
+            if fired:
+                deliver(functools.partial(run, fired[:]))
+                fired.clear()
 
         return on_layer
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any
 
 import grpc
@@ -32,6 +33,10 @@ class DecodeLink:
     remote: Any                          # what sender.connect returned
     timeout_s: float
     lease_timeout_s: float               # the decode worker's: renew well within it
+    reports: Reports = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.reports = Reports(self.peer, self.timeout_s)
 
     async def send(self, target: KVTarget, src_pages: list[int], num_tokens: int) -> None:
         """Writes ``src_pages`` into ``target``'s pages, waits until they have landed, commits."""
@@ -43,19 +48,87 @@ class DecodeLink:
         await self.commit(target.request_id, num_tokens, writes_pending=False)
 
     async def commit(self, request_id: str, num_tokens: int, writes_pending: bool) -> None:
-        await self._call("Commit", kv_transfer_pb2.CommitRequest(
-            request_id=request_id, num_tokens=num_tokens, writes_pending=writes_pending))
+        await self.reports.commit(request_id, num_tokens, writes_pending)
 
     async def writes_landed(self, request_id: str) -> None:
-        await self._call("Landed", kv_transfer_pb2.LandedRequest(request_id=request_id))
+        await self.reports.landed(request_id)
 
-    async def _call(self, method: str, request: Any) -> Any:
+
+class Reports:
+    """The commits and landed reports bound for one decode worker, sent together: those made in
+    one turn of the event loop (say, every prompt a prefill step finished) go in one Report
+    call, and each caller learns its own report's outcome (TransferFailed if refused)."""
+
+    def __init__(self, peer: Peer, timeout_s: float) -> None:
+        self.peer = peer
+        self.timeout_s = timeout_s
+        self._commits: list[tuple[kv_transfer_pb2.Commit, asyncio.Future]] = []
+        self._landed: list[tuple[str, asyncio.Future]] = []
+        self._calls: set[asyncio.Task] = set()
+
+    def commit(self, request_id: str, num_tokens: int, writes_pending: bool) -> asyncio.Future:
+        return self._add(self._commits, kv_transfer_pb2.Commit(
+            request_id=request_id, num_tokens=num_tokens, writes_pending=writes_pending))
+
+    def landed(self, request_id: str) -> asyncio.Future:
+        return self._add(self._landed, request_id)
+
+    def _add(self, queue: list, report: Any) -> asyncio.Future:  # noqa: ANN401
+        loop = asyncio.get_running_loop()
+        if not self._commits and not self._landed:
+            loop.call_soon(self._flush)   # after whatever else this turn reports
+        done = loop.create_future()
+        queue.append((report, done))
+        return done
+
+    def _flush(self) -> None:
+        # A report whose caller gave up before it left is not sent.
+        commits = [(c, f) for c, f in self._commits if not f.done()]
+        landed = [(r, f) for r, f in self._landed if not f.done()]
+        self._commits, self._landed = [], []
+        if commits or landed:
+            call = asyncio.get_running_loop().create_task(self._send(commits, landed))
+            self._calls.add(call)
+            call.add_done_callback(self._calls.discard)
+
+    async def _send(self, commits: list[tuple[kv_transfer_pb2.Commit, asyncio.Future]],
+                    landed: list[tuple[str, asyncio.Future]]) -> None:
+        waiting: dict[tuple[str, bool], list[asyncio.Future]] = {}
+        for key, done in [((c.request_id, False), f) for c, f in commits] + \
+                [((r, True), f) for r, f in landed]:
+            waiting.setdefault(key, []).append(done)
         try:
-            return await getattr(self.peer.stub, method)(request, timeout=self.timeout_s)
+            reply = await self.peer.stub.Report(kv_transfer_pb2.ReportRequest(
+                commits=[c for c, _ in commits], landed=[r for r, _ in landed]),
+                timeout=self.timeout_s)
+            refused = {(e.request_id, e.landed): e for e in reply.errors}
         except grpc.aio.AioRpcError as err:
-            raise TransferFailed(f"KV transfer to {self.peer.address} failed: "
-                                 f"{err.code().name}: {err.details()}",
-                                 peer_answered=err.code() in ANSWERED) from err
+            _settle(waiting.values(), self._failed(err.code(), err.details()))
+            return
+        except asyncio.CancelledError:   # shut down: its callers hear of it
+            _settle(waiting.values(), TransferFailed(f"report to {self.peer.address} cancelled"))
+            raise
+        for key, futures in waiting.items():
+            error = refused.get(key)
+            _settle([futures], None if error is None else self._failed(
+                _STATUS.get(error.code, grpc.StatusCode.UNKNOWN), error.message))
+
+    def _failed(self, code: grpc.StatusCode, details: str | None) -> TransferFailed:
+        return TransferFailed(f"KV transfer to {self.peer.address} failed: {code.name}: {details}",
+                              peer_answered=code in ANSWERED)
+
+
+_STATUS = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def _settle(futures: Iterable[list[asyncio.Future]], error: Exception | None) -> None:
+    for done in (f for group in futures for f in group):
+        if done.done():
+            continue
+        if error is None:
+            done.set_result(None)
+        else:
+            done.set_exception(error)
 
 
 class DecodeLinks:

@@ -4,7 +4,7 @@ decode pool: host or GPU memory, on one host or across hosts, no staging through
 Each side registers its whole pool once. The decode side's agent metadata, pool address and
 page count travel in our gRPC handshake; then every layer of a transfer is one WRITE of one
 descriptor per (K/V, page), built with array arithmetic, posted as soon as the layer is computed;
-our Commit RPC goes out once the last is posted (writes pending).
+our commit goes out once the last is posted (writes pending).
 """
 from __future__ import annotations
 

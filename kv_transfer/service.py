@@ -21,7 +21,7 @@ from kv_transfer import (
 )
 from kv_transfer.base import Receiver, TransferSink
 from kv_transfer.grpc_engine import GrpcReceiver
-from pdserve.errors import LayoutMismatch
+from pdserve.errors import LayoutMismatch, PdserveError
 from pdserve.grpc_util import map_errors, parsed
 from pdserve.kvcache.pool import KVPool
 from pdserve.proto_convert import layout_from_proto
@@ -101,16 +101,22 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
         return kv_transfer_pb2.WritePagesResponse(bytes_written=written)
 
     @map_errors
-    async def Commit(self, request: kv_transfer_pb2.CommitRequest,
-                     context: grpc.aio.ServicerContext) -> kv_transfer_pb2.CommitResponse:
-        self.sink.on_commit(request.request_id, request.num_tokens, request.writes_pending)
-        return kv_transfer_pb2.CommitResponse()
-
-    @map_errors
-    async def Landed(self, request: kv_transfer_pb2.LandedRequest,
-                     context: grpc.aio.ServicerContext) -> kv_transfer_pb2.LandedResponse:
-        self.sink.on_writes_landed(request.request_id)
-        return kv_transfer_pb2.LandedResponse()
+    async def Report(self, request: kv_transfer_pb2.ReportRequest,
+                     context: grpc.aio.ServicerContext) -> kv_transfer_pb2.ReportResponse:
+        """Commits, then landed reports; each refused one is listed in the reply, the rest take
+        effect."""
+        errors = []
+        for commit in request.commits:
+            try:
+                self.sink.on_commit(commit.request_id, commit.num_tokens, commit.writes_pending)
+            except PdserveError as err:
+                errors.append(_report_error(commit.request_id, False, err))
+        for request_id in request.landed:
+            try:
+                self.sink.on_writes_landed(request_id)
+            except PdserveError as err:
+                errors.append(_report_error(request_id, True, err))
+        return kv_transfer_pb2.ReportResponse(errors=errors)
 
     @map_errors
     async def Renew(self, request: kv_transfer_pb2.RenewRequest,
@@ -122,3 +128,8 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
                       context: grpc.aio.ServicerContext) -> kv_transfer_pb2.AbandonResponse:
         self.sink.on_writes_abandoned(request.request_id)
         return kv_transfer_pb2.AbandonResponse()
+
+
+def _report_error(request_id: str, landed: bool, err: PdserveError) -> kv_transfer_pb2.ReportError:
+    return kv_transfer_pb2.ReportError(request_id=request_id, landed=landed,
+                                       code=err.code.value[0], message=str(err))

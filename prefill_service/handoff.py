@@ -6,14 +6,18 @@ that the writes have landed, and, if the request fails, waiting until none of it
 land before telling the decode worker it gave up. The prefill worker is the one that knows
 whether its writes have landed, so it is the one that says so.
 
-    after the prompt's last step:   write (or wait for the layer-wise one) -> Commit
-    layer-wise, one-sided engine:   Commit(writes pending) from the step's thread, as soon as
-                                    the last layer is enqueued -> wait until landed -> Landed
-    failed or cancelled:            settle writes -> (early Commit done) -> Abandon
+    after the prompt's last step:   write (or wait for the layer-wise one) -> commit
+    layer-wise, one-sided engine:   commit(writes pending) from the step's thread, as soon as
+                                    the last layer is enqueued -> wait until landed -> landed
+    failed or cancelled:            settle writes -> (early commit done) -> Abandon
+
+Commits and landed reports go through the link's ``Reports`` (kv_transfer.link): those of every
+prompt a step finished share one Report call to their decode worker.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -57,9 +61,9 @@ class Handoff:
         if (link is None or not isinstance(link.sender, LayerwiseSender)
                 or len(src_pages) != len(self.target.page_ids)):
             return None
-        loop = asyncio.get_running_loop()
         self.write = link.sender.start_write(link.remote, src_pages, self.target.page_ids)
-        self.write.on_sent = lambda: loop.call_soon_threadsafe(self._commit_early, link)
+        # Delivered on our event loop (the scheduler's fan_out), with the step's other commits.
+        self.write.on_sent = functools.partial(self._commit_early, link)
         return self.write
 
     def _commit_early(self, link: DecodeLink) -> None:

@@ -22,6 +22,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -322,21 +323,26 @@ class PrefillScheduler:
                                   collect: PrefillStep | None) -> None:
         """On the step's thread: launches ``launch``, then waits for ``collect``'s tokens (the
         same step without overlap)."""
+        loop = asyncio.get_running_loop()
+
         def run() -> None:
             if launch is not None:
-                self._launch(launch)
+                self._launch(launch, loop.call_soon_threadsafe)
             if collect is not None:
                 self._collect(collect)
 
-        await asyncio.get_running_loop().run_in_executor(self._executor, run)
+        await loop.run_in_executor(self._executor, run)
 
-    def _launch(self, step: PrefillStep) -> None:
+    def _launch(self, step: PrefillStep, to_loop: Callable[[Callable[[], None]], object]) -> None:
+        """On the step's thread; ``to_loop`` runs a callback on the event loop (the writes'
+        reports that they are on their way)."""
         seqs = [SeqInput(t.prompt_ids[t.scheduled - n:t.scheduled], t.scheduled - n, t.pages)
                 for t, n in step.plan]
         rows = [sample_row(t.params, t.prompt_ids, [], t.output_offset) for t, _ in step.plan]
         step.launched_at = time.perf_counter()
         try:
-            step.launched = self.runner.launch(seqs, rows, PageWrite.fan_out(step.writes))
+            step.launched = self.runner.launch(seqs, rows, PageWrite.fan_out(
+                step.writes, to_loop))
         except Exception as err:  # noqa: BLE001 - its requests fail when it is collected
             step.error = err
         finally:

@@ -47,9 +47,10 @@ class Gated(KVTransferServicer):
         await self._hold("writing")
         return await super().WritePages(request_iterator, context)
 
-    async def Commit(self, request, context):  # noqa: ANN001, N802
-        reply = await super().Commit(request, context)
-        await self._hold("committed")
+    async def Report(self, request, context):  # noqa: ANN001, N802
+        reply = await super().Report(request, context)
+        if request.commits:
+            await self._hold("committed")
         return reply
 
 

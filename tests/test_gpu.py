@@ -354,7 +354,7 @@ def test_writes_sent_together_keep_their_page_ids_until_copied(remote_device, mo
         return copy(self, layers, src, dst)
 
     monkeypatch.setattr(cuda_ipc_engine._IpcWrite, "_copy", spy)
-    hook = PageWrite.fan_out(writes)
+    hook = PageWrite.fan_out(writes, lambda call: call())
     assert hook is not None
     for layer in range(layout.num_layers):
         hook(layer)

@@ -277,10 +277,112 @@ def test_a_steps_writes_to_one_destination_go_together():
 
     writes = [Write("a", "decode0"), Write("b", "decode1"), Write("c", "decode0"),
               Write("d", None), Write("e", None)]
-    on_layer = PageWrite.fan_out(writes)
+    delivered: list[int] = []
+    on_layer = PageWrite.fan_out(writes, lambda call: (delivered.append(1), call()))
     for layer in range(3):
         on_layer(layer)
     assert sorted(sends) == sorted((name, layer) for name in ("a+c", "b", "d", "e")
                                    for layer in range(3))
     assert all(w.layers_sent == 3 and w.sent_reports == 1 and w.done for w in writes)
-    assert PageWrite.fan_out([]) is None
+    assert delivered == [1]     # the last layer's reports, all in one delivery
+    assert PageWrite.fan_out([], lambda call: call()) is None
+
+
+class CountingReports(KVTransferServicer):
+    """Records every Report call's commits and landed reports, as the decode worker got them."""
+
+    calls: list[tuple[list[str], list[str]]]
+
+    async def Report(self, request, context):  # noqa: ANN001, N802
+        self.calls.append(([c.request_id for c in request.commits], list(request.landed)))
+        return await super().Report(request, context)
+
+
+def test_reports_of_one_turn_go_in_one_call_and_fail_one_by_one():
+    """Commits and landed reports made together reach the decode worker in one Report call;
+    each caller hears its own outcome: a refused report (unknown request, wrong length) fails
+    that request alone, with the peer's answer, and the others take effect."""
+    async def scenario():
+        dst = _pool()
+        CountingReports.calls = []
+        server, table = await _decode_side(dst, engine="nixl" if nixl_installed() else "grpc",
+                                           servicer_cls=CountingReports)
+        links = DecodeLinks(_pool(), timeout_s=10)
+        try:
+            link = await links.get(f"127.0.0.1:{server.port}")
+            for request_id in ("a", "b", "c"):
+                await table.reserve(request_id, 5, 4)
+            outcomes = await asyncio.gather(
+                link.commit("a", 5, writes_pending=True), link.commit("b", 5, writes_pending=False),
+                link.commit("gone", 5, writes_pending=False), link.commit("c", 7, writes_pending=False),
+                return_exceptions=True)
+            assert CountingReports.calls == [(["a", "b", "gone", "c"], [])]
+            assert outcomes[:2] == [None, None]
+            for outcome, code in zip(outcomes[2:], ("NOT_FOUND", "INVALID_ARGUMENT")):
+                assert isinstance(outcome, TransferFailed) and outcome.peer_answered
+                assert code in str(outcome)
+            assert table.get("b").state.value == "landed"
+            assert table.get("c").state.value == "reserved"     # its bad commit changed nothing
+            outcomes = await asyncio.gather(link.writes_landed("a"), link.writes_landed("c"),
+                                            return_exceptions=True)
+            assert CountingReports.calls[1:] == [([], ["a", "c"])]
+            assert outcomes[0] is None and isinstance(outcomes[1], TransferFailed)
+            assert table.get("a").state.value == "landed"
+            # A worker that does not answer fails every report of the call, not as an answer.
+            await server.stop(0)
+            with pytest.raises(TransferFailed) as err:
+                await link.commit("c", 5, writes_pending=False)
+            assert not err.value.peer_answered
+        finally:
+            await links.close()
+            await server.stop(0)
+    asyncio.run(scenario())
+
+
+@needs_nixl
+def test_a_step_that_finishes_many_prompts_commits_them_in_one_call(tiny_runner):
+    """Four prompts finished by one prefill step: one Report carries their four commits (their
+    writes pending), and their landed reports follow in as few calls; each request's KV is then
+    complete at the decode worker, and no page is left held on either side."""
+    from pdserve.metrics import PrefillMetrics
+    from prefill_service.handoff import Handoff
+    from prefill_service.scheduler import PrefillScheduler, PrefillTask
+
+    async def scenario():
+        src = tiny_runner.pool
+        dst = _pool(src.layout, num_pages=256)
+        CountingReports.calls = []
+        server, table = await _decode_side(dst, engine="nixl", servicer_cls=CountingReports)
+        links = DecodeLinks(src, timeout_s=10)
+        await links.get(f"127.0.0.1:{server.port}")      # linked: the step writes layer-wise
+        scheduler = PrefillScheduler(tiny_runner, links, chunk_size=256, max_queued=8,
+                                     metrics=PrefillMetrics("t"), prefix_cache=False)
+        free_before, dst_free = src.allocator.num_free, dst.allocator.num_free
+        prompts = {f"r{i}": [5 + i] * (20 + i) for i in range(4)}
+        tasks = []
+        for request_id, prompt in prompts.items():
+            res = await table.reserve(request_id, len(prompt), 4)
+            target = _target(server, request_id, res.pages[:res.prompt_pages])
+            tasks.append(PrefillTask(request_id, prompt, SamplingParams(max_new_tokens=4),
+                                     Handoff(links, target, len(prompt))))
+        calls = [asyncio.ensure_future(scheduler.submit(t)) for t in tasks]  # before the loop
+        loop_task = asyncio.create_task(scheduler.run())
+        try:
+            tokens = await asyncio.gather(*calls)
+            for request_id in prompts:
+                await table.start_decoding(request_id)   # waits for its landed report
+            committed = [ids for ids, _ in CountingReports.calls if ids]
+            landed = sorted(i for _, ids in CountingReports.calls for i in ids)
+            assert committed == [sorted(prompts)] and landed == sorted(prompts)
+            assert len(CountingReports.calls) <= 1 + len(prompts)
+            assert tokens == [local.generate(tiny_runner, p, SamplingParams(max_new_tokens=1))[0]
+                              for p in prompts.values()]
+            for request_id in prompts:
+                table.release(request_id)
+            assert src.allocator.num_free == free_before and scheduler.held_pages == 0
+            assert dst.allocator.num_free == dst_free and table.held_pages == 0
+        finally:
+            loop_task.cancel()
+            await scheduler.shutdown()
+            await server.stop(0)
+    asyncio.run(scenario())

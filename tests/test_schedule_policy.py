@@ -39,10 +39,10 @@ class Recording(PrefillScheduler):
         self.events: list[tuple[str, int]] = []
         self.launched = 0
 
-    def _launch(self, step):  # noqa: ANN001, ANN202
+    def _launch(self, step, to_loop):  # noqa: ANN001, ANN202
         step.number, self.launched = self.launched, self.launched + 1
         self.events.append(("launch", step.number))
-        return super()._launch(step)
+        return super()._launch(step, to_loop)
 
     def _collect(self, step):  # noqa: ANN001, ANN202
         self.events.append(("collect", step.number))

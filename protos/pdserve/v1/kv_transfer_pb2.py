@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.pdserve.v1 import worker_pb2 as protos_dot_pdserve_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#protos/pdserve/v1/kv_transfer.proto\x12\npdserve.v1\x1a\x1eprotos/pdserve/v1/worker.proto\"\x84\x01\n\x10HandshakeRequest\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0f\n\x07\x65ngines\x18\x03 \x03(\t\x12\x10\n\x08gpu_uuid\x18\x04 \x01(\t\x12\x19\n\x11visible_gpu_uuids\x18\x05 \x03(\t\"\x85\x01\n\x11HandshakeResponse\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x17\n\x0f\x65ngine_metadata\x18\x03 \x01(\x0c\x12\x0c\n\x04host\x18\x04 \x01(\t\x12\x10\n\x08gpu_uuid\x18\x05 \x01(\t\x12\x17\n\x0flease_timeout_s\x18\x06 \x01(\x02\"?\n\tPageChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08page_ids\x18\x02 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"+\n\x12WritePagesResponse\x12\x15\n\rbytes_written\x18\x01 \x01(\x04\"O\n\rCommitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x16\n\x0ewrites_pending\x18\x03 \x01(\x08\"\x10\n\x0e\x43ommitResponse\"#\n\rLandedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x10\n\x0eLandedResponse\"$\n\x0e\x41\x62\x61ndonRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x11\n\x0f\x41\x62\x61ndonResponse\"#\n\x0cRenewRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x1d\n\rRenewResponse\x12\x0c\n\x04gone\x18\x01 \x03(\t2\xa8\x03\n\x11KVTransferService\x12H\n\tHandshake\x12\x1c.pdserve.v1.HandshakeRequest\x1a\x1d.pdserve.v1.HandshakeResponse\x12\x45\n\nWritePages\x12\x15.pdserve.v1.PageChunk\x1a\x1e.pdserve.v1.WritePagesResponse(\x01\x12?\n\x06\x43ommit\x12\x19.pdserve.v1.CommitRequest\x1a\x1a.pdserve.v1.CommitResponse\x12?\n\x06Landed\x12\x19.pdserve.v1.LandedRequest\x1a\x1a.pdserve.v1.LandedResponse\x12\x42\n\x07\x41\x62\x61ndon\x12\x1a.pdserve.v1.AbandonRequest\x1a\x1b.pdserve.v1.AbandonResponse\x12<\n\x05Renew\x12\x18.pdserve.v1.RenewRequest\x1a\x19.pdserve.v1.RenewResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#protos/pdserve/v1/kv_transfer.proto\x12\npdserve.v1\x1a\x1eprotos/pdserve/v1/worker.proto\"\x84\x01\n\x10HandshakeRequest\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0f\n\x07\x65ngines\x18\x03 \x03(\t\x12\x10\n\x08gpu_uuid\x18\x04 \x01(\t\x12\x19\n\x11visible_gpu_uuids\x18\x05 \x03(\t\"\x85\x01\n\x11HandshakeResponse\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x17\n\x0f\x65ngine_metadata\x18\x03 \x01(\x0c\x12\x0c\n\x04host\x18\x04 \x01(\t\x12\x10\n\x08gpu_uuid\x18\x05 \x01(\t\x12\x17\n\x0flease_timeout_s\x18\x06 \x01(\x02\"?\n\tPageChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08page_ids\x18\x02 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"+\n\x12WritePagesResponse\x12\x15\n\rbytes_written\x18\x01 \x01(\x04\"H\n\x06\x43ommit\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x16\n\x0ewrites_pending\x18\x03 \x01(\x08\"D\n\rReportRequest\x12#\n\x07\x63ommits\x18\x01 \x03(\x0b\x32\x12.pdserve.v1.Commit\x12\x0e\n\x06landed\x18\x02 \x03(\t\"P\n\x0bReportError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06landed\x18\x02 \x01(\x08\x12\x0c\n\x04\x63ode\x18\x03 \x01(\r\x12\x0f\n\x07message\x18\x04 \x01(\t\"9\n\x0eReportResponse\x12\'\n\x06\x65rrors\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ReportError\"$\n\x0e\x41\x62\x61ndonRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x11\n\x0f\x41\x62\x61ndonResponse\"#\n\x0cRenewRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x1d\n\rRenewResponse\x12\x0c\n\x04gone\x18\x01 \x03(\t2\xe7\x02\n\x11KVTransferService\x12H\n\tHandshake\x12\x1c.pdserve.v1.HandshakeRequest\x1a\x1d.pdserve.v1.HandshakeResponse\x12\x45\n\nWritePages\x12\x15.pdserve.v1.PageChunk\x1a\x1e.pdserve.v1.WritePagesResponse(\x01\x12?\n\x06Report\x12\x19.pdserve.v1.ReportRequest\x1a\x1a.pdserve.v1.ReportResponse\x12\x42\n\x07\x41\x62\x61ndon\x12\x1a.pdserve.v1.AbandonRequest\x1a\x1b.pdserve.v1.AbandonResponse\x12<\n\x05Renew\x12\x18.pdserve.v1.RenewRequest\x1a\x19.pdserve.v1.RenewResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,22 +40,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PAGECHUNK']._serialized_end=417
   _globals['_WRITEPAGESRESPONSE']._serialized_start=419
   _globals['_WRITEPAGESRESPONSE']._serialized_end=462
-  _globals['_COMMITREQUEST']._serialized_start=464
-  _globals['_COMMITREQUEST']._serialized_end=543
-  _globals['_COMMITRESPONSE']._serialized_start=545
-  _globals['_COMMITRESPONSE']._serialized_end=561
-  _globals['_LANDEDREQUEST']._serialized_start=563
-  _globals['_LANDEDREQUEST']._serialized_end=598
-  _globals['_LANDEDRESPONSE']._serialized_start=600
-  _globals['_LANDEDRESPONSE']._serialized_end=616
-  _globals['_ABANDONREQUEST']._serialized_start=618
-  _globals['_ABANDONREQUEST']._serialized_end=654
-  _globals['_ABANDONRESPONSE']._serialized_start=656
-  _globals['_ABANDONRESPONSE']._serialized_end=673
-  _globals['_RENEWREQUEST']._serialized_start=675
-  _globals['_RENEWREQUEST']._serialized_end=710
-  _globals['_RENEWRESPONSE']._serialized_start=712
-  _globals['_RENEWRESPONSE']._serialized_end=741
-  _globals['_KVTRANSFERSERVICE']._serialized_start=744
-  _globals['_KVTRANSFERSERVICE']._serialized_end=1168
+  _globals['_COMMIT']._serialized_start=464
+  _globals['_COMMIT']._serialized_end=536
+  _globals['_REPORTREQUEST']._serialized_start=538
+  _globals['_REPORTREQUEST']._serialized_end=606
+  _globals['_REPORTERROR']._serialized_start=608
+  _globals['_REPORTERROR']._serialized_end=688
+  _globals['_REPORTRESPONSE']._serialized_start=690
+  _globals['_REPORTRESPONSE']._serialized_end=747
+  _globals['_ABANDONREQUEST']._serialized_start=749
+  _globals['_ABANDONREQUEST']._serialized_end=785
+  _globals['_ABANDONRESPONSE']._serialized_start=787
+  _globals['_ABANDONRESPONSE']._serialized_end=804
+  _globals['_RENEWREQUEST']._serialized_start=806
+  _globals['_RENEWREQUEST']._serialized_end=841
+  _globals['_RENEWRESPONSE']._serialized_start=843
+  _globals['_RENEWRESPONSE']._serialized_end=872
+  _globals['_KVTRANSFERSERVICE']._serialized_start=875
+  _globals['_KVTRANSFERSERVICE']._serialized_end=1234
 # @@protoc_insertion_point(module_scope)

@@ -53,7 +53,7 @@ class WritePagesResponse(_message.Message):
     bytes_written: int
     def __init__(self, bytes_written: _Optional[int] = ...) -> None: ...
 
-class CommitRequest(_message.Message):
+class Commit(_message.Message):
     __slots__ = ("request_id", "num_tokens", "writes_pending")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -63,19 +63,31 @@ class CommitRequest(_message.Message):
     writes_pending: bool
     def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., writes_pending: _Optional[bool] = ...) -> None: ...
 
-class CommitResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+class ReportRequest(_message.Message):
+    __slots__ = ("commits", "landed")
+    COMMITS_FIELD_NUMBER: _ClassVar[int]
+    LANDED_FIELD_NUMBER: _ClassVar[int]
+    commits: _containers.RepeatedCompositeFieldContainer[Commit]
+    landed: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, commits: _Optional[_Iterable[_Union[Commit, _Mapping]]] = ..., landed: _Optional[_Iterable[str]] = ...) -> None: ...
 
-class LandedRequest(_message.Message):
-    __slots__ = ("request_id",)
+class ReportError(_message.Message):
+    __slots__ = ("request_id", "landed", "code", "message")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LANDED_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    landed: bool
+    code: int
+    message: str
+    def __init__(self, request_id: _Optional[str] = ..., landed: _Optional[bool] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
-class LandedResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+class ReportResponse(_message.Message):
+    __slots__ = ("errors",)
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    errors: _containers.RepeatedCompositeFieldContainer[ReportError]
+    def __init__(self, errors: _Optional[_Iterable[_Union[ReportError, _Mapping]]] = ...) -> None: ...
 
 class AbandonRequest(_message.Message):
     __slots__ = ("request_id",)

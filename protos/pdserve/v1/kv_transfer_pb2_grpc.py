@@ -45,15 +45,10 @@ class KVTransferServiceStub:
                 request_serializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.PageChunk.SerializeToString,
                 response_deserializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.WritePagesResponse.FromString,
                 _registered_method=True)
-        self.Commit = channel.unary_unary(
-                '/pdserve.v1.KVTransferService/Commit',
-                request_serializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.CommitRequest.SerializeToString,
-                response_deserializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.CommitResponse.FromString,
-                _registered_method=True)
-        self.Landed = channel.unary_unary(
-                '/pdserve.v1.KVTransferService/Landed',
-                request_serializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.LandedRequest.SerializeToString,
-                response_deserializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.LandedResponse.FromString,
+        self.Report = channel.unary_unary(
+                '/pdserve.v1.KVTransferService/Report',
+                request_serializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.ReportRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.ReportResponse.FromString,
                 _registered_method=True)
         self.Abandon = channel.unary_unary(
                 '/pdserve.v1.KVTransferService/Abandon',
@@ -88,15 +83,13 @@ class KVTransferServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Commit(self, request, context):
-        """Marks a reservation's prompt KV as complete; decode may start.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Landed(self, request, context):
-        """After a Commit with writes_pending: every write has landed.
+    def Report(self, request, context):
+        """The sender's reports on its writes, for any number of requests: commits
+        (a reservation's prompt KV is complete; decode may start), then landed
+        reports (after a commit with writes_pending: every write has landed). A
+        prefill step that finishes many prompts reports them in one call, not two
+        calls each. Each report succeeds or fails on its own: the reply lists the
+        refused ones.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -132,15 +125,10 @@ def add_KVTransferServiceServicer_to_server(servicer, server):
                     request_deserializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.PageChunk.FromString,
                     response_serializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.WritePagesResponse.SerializeToString,
             ),
-            'Commit': grpc.unary_unary_rpc_method_handler(
-                    servicer.Commit,
-                    request_deserializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.CommitRequest.FromString,
-                    response_serializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.CommitResponse.SerializeToString,
-            ),
-            'Landed': grpc.unary_unary_rpc_method_handler(
-                    servicer.Landed,
-                    request_deserializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.LandedRequest.FromString,
-                    response_serializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.LandedResponse.SerializeToString,
+            'Report': grpc.unary_unary_rpc_method_handler(
+                    servicer.Report,
+                    request_deserializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.ReportRequest.FromString,
+                    response_serializer=protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.ReportResponse.SerializeToString,
             ),
             'Abandon': grpc.unary_unary_rpc_method_handler(
                     servicer.Abandon,
@@ -219,7 +207,7 @@ class KVTransferService:
             _registered_method=True)
 
     @staticmethod
-    def Commit(request,
+    def Report(request,
             target,
             options=(),
             channel_credentials=None,
@@ -232,36 +220,9 @@ class KVTransferService:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pdserve.v1.KVTransferService/Commit',
-            protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.CommitRequest.SerializeToString,
-            protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.CommitResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Landed(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdserve.v1.KVTransferService/Landed',
-            protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.LandedRequest.SerializeToString,
-            protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.LandedResponse.FromString,
+            '/pdserve.v1.KVTransferService/Report',
+            protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.ReportRequest.SerializeToString,
+            protos_dot_pdserve_dot_v1_dot_kv__transfer__pb2.ReportResponse.FromString,
             options,
             channel_credentials,
             insecure,
