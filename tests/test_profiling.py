@@ -56,3 +56,31 @@ def test_no_folder_no_trace(tmp_path):
 def test_malformed_steps_are_refused(value):
     with pytest.raises(ConfigError, match="--profile-steps"):
         parse_steps(value)
+
+
+def test_the_trace_summary_finds_the_gpus_idle_time_and_what_the_host_ran(tmp_path):
+    """bench/trace_summary.py on a small trace of two kernels with a 300 us gap, during which
+    the host launched a graph; a folder with no trace is an error, not an empty summary."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "bench" / "trace_summary.py"
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 100},
+        {"ph": "X", "cat": "kernel", "name": "attention", "ts": 400, "dur": 200},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "tid": 7, "ts": 150,
+         "dur": 240},
+    ]
+    (tmp_path / "decode-1.json").write_text(json.dumps({"traceEvents": events}))
+    (tmp_path / "other.json").write_text(json.dumps({"not": "a trace"}))
+    out = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True,
+                         text=True, check=True).stdout
+    assert "span 0.60 ms, kernels busy 0.30 ms, GPU idle 0.30 ms" in out
+    assert "idle     300 us at +   0.10 ms: 7:cudaGraphLaunch 240" in out
+    assert "thread 7: top-level ops 0.24 ms: cudaGraphLaunch 0.24" in out
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    failed = subprocess.run([sys.executable, str(script), str(empty)], capture_output=True,
+                            text=True)
+    assert failed.returncode != 0 and "no Chrome trace" in failed.stderr
