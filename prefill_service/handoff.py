@@ -7,8 +7,8 @@ land before telling the decode worker it gave up. The prefill worker is the one 
 whether its writes have landed, so it is the one that says so.
 
     after the prompt's last step:   write (or wait for the layer-wise one) -> commit
-    layer-wise, one-sided engine:   commit(writes pending) from the step's thread, as soon as
-                                    the last layer is enqueued -> wait until landed -> landed
+    layer-wise, one-sided engine:   commit(writes pending) as soon as the step's thread has
+                                    enqueued the last layer -> wait until landed -> landed
     failed or cancelled:            settle writes -> (early commit done) -> Abandon
 
 Commits and landed reports go through the link's ``Reports`` (kv_transfer.link): those of every
