@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,7 +12,7 @@ import grpc
 
 from kv_transfer import create_sender, gpu_uuid, host_identity, usable_engines, visible_gpu_uuids
 from kv_transfer.base import KVTarget, Peer, Sender
-from pdserve.errors import ANSWERED, LayoutMismatch, PdserveError, TransferFailed
+from pdserve.errors import ANSWERED, LayoutMismatch, PdserveError, TransferFailed, status_code
 from pdserve.grpc_util import channel
 from pdserve.kvcache.pool import KVPool
 from pdserve.proto_convert import layout_to_proto
@@ -93,42 +92,35 @@ class Reports:
 
     async def _send(self, commits: list[tuple[kv_transfer_pb2.Commit, asyncio.Future]],
                     landed: list[tuple[str, asyncio.Future]]) -> None:
-        waiting: dict[tuple[str, bool], list[asyncio.Future]] = {}
-        for key, done in [((c.request_id, False), f) for c, f in commits] + \
-                [((r, True), f) for r, f in landed]:
-            waiting.setdefault(key, []).append(done)
+        reports = [((c.request_id, False), done) for c, done in commits]
+        reports += [((r, True), done) for r, done in landed]
         try:
             reply = await self.peer.stub.Report(kv_transfer_pb2.ReportRequest(
                 commits=[c for c, _ in commits], landed=[r for r, _ in landed]),
                 timeout=self.timeout_s)
-            refused = {(e.request_id, e.landed): e for e in reply.errors}
-        except grpc.aio.AioRpcError as err:
-            _settle(waiting.values(), self._failed(err.code(), err.details()))
-            return
-        except asyncio.CancelledError:   # shut down: its callers hear of it
-            _settle(waiting.values(), TransferFailed(f"report to {self.peer.address} cancelled"))
+        except grpc.aio.AioRpcError as err:   # not answered: every report fails alike
+            failure = self._failed(err.code(), err.details())
+            refused = {key: failure for key, _ in reports}
+        except asyncio.CancelledError:        # shut down: its callers hear of it
+            failure = TransferFailed(f"report to {self.peer.address} cancelled")
+            for _, done in reports:
+                if not done.done():
+                    done.set_exception(failure)
             raise
-        for key, futures in waiting.items():
-            error = refused.get(key)
-            _settle([futures], None if error is None else self._failed(
-                _STATUS.get(error.code, grpc.StatusCode.UNKNOWN), error.message))
+        else:
+            refused = {(e.request_id, e.landed): self._failed(status_code(e.code), e.message)
+                       for e in reply.errors}
+        for key, done in reports:
+            if done.done():
+                continue
+            if key in refused:
+                done.set_exception(refused[key])
+            else:
+                done.set_result(None)
 
     def _failed(self, code: grpc.StatusCode, details: str | None) -> TransferFailed:
         return TransferFailed(f"KV transfer to {self.peer.address} failed: {code.name}: {details}",
                               peer_answered=code in ANSWERED)
-
-
-_STATUS = {code.value[0]: code for code in grpc.StatusCode}
-
-
-def _settle(futures: Iterable[list[asyncio.Future]], error: Exception | None) -> None:
-    for done in (f for group in futures for f in group):
-        if done.done():
-            continue
-        if error is None:
-            done.set_result(None)
-        else:
-            done.set_exception(error)
 
 
 class DecodeLinks:

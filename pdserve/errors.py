@@ -60,6 +60,14 @@ PUBLIC_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESO
                           grpc.StatusCode.CANCELLED})
 
 
+_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_code(number: int) -> grpc.StatusCode:
+    """The gRPC status with this number (as our internal messages carry one); UNKNOWN if none."""
+    return _BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN)
+
+
 class UpstreamError(PdserveError):
     """A worker's gRPC error, passed on to the client with its status code where the public
     API has it (else UNAVAILABLE); ``worker_code`` keeps the worker's."""

@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 
+from pdserve.errors import status_code
 from protos.pdserve.v1 import decode_pb2
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,6 @@ class StreamError(Exception):
         return self._details
 
 
-CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class DecodeStream:
@@ -145,4 +145,4 @@ class _Inbox:
 def _error(item: decode_pb2.RequestTokens | StreamError) -> StreamError:
     if isinstance(item, StreamError):
         return item
-    return StreamError(CODES.get(item.error_code, grpc.StatusCode.UNKNOWN), item.error_message)
+    return StreamError(status_code(item.error_code), item.error_message)
