@@ -176,16 +176,20 @@ def model_vocab(router: str) -> int:
         return stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=30).vocab_size
 
 
+LOOP_PHASES = ("schedule", "launch", "wait", "process")
 DECODE_SERIES = ("pdserve_decode_steps_total", "pdserve_step_duration_seconds_sum",
                  "pdserve_step_duration_seconds_count", "pdserve_decode_batch_size_sum",
                  "pdserve_decode_batch_size_count", "pdserve_generated_tokens_total",
-                 "pdserve_decode_yielded_seconds_total")
+                 "pdserve_decode_yielded_seconds_total") + tuple(
+    f'pdserve_decode_loop_seconds_total{{phase="{phase}"}}' for phase in LOOP_PHASES)
 # What --timeline samples: (key in the JSON, worker, series).
 TIMELINE_SERIES = (
     ("decode_steps", "decode", "pdserve_decode_steps_total"),
     ("decode_tokens", "decode", "pdserve_generated_tokens_total"),
     ("decode_busy_s", "decode", "pdserve_step_duration_seconds_sum"),
     ("decode_yielded_s", "decode", "pdserve_decode_yielded_seconds_total"),
+    ("decode_launch_s", "decode", 'pdserve_decode_loop_seconds_total{phase="launch"}'),
+    ("decode_wait_s", "decode", 'pdserve_decode_loop_seconds_total{phase="wait"}'),
     ("decode_running", "decode", "pdserve_running_requests"),
     ("decode_queued", "decode", "pdserve_queued_requests"),
     ("decode_pages_free", "decode", "pdserve_kv_pages_free"),
@@ -199,14 +203,20 @@ TIMELINE_SERIES = (
 
 
 def scrape(metrics_address: str, wanted: tuple[str, ...] = DECODE_SERIES) -> dict[str, float]:
-    """A worker's ``wanted`` series (by default the decode worker's step count, step time and
-    batch size), each summed over its labels."""
+    """A worker's ``wanted`` series (by default the decode worker's step count, step time,
+    batch size and loop time by phase), each summed over its labels; a series written
+    ``name{label="value"}`` counts only the samples with that label."""
     text = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10).read().decode()
     values = dict.fromkeys(wanted, 0.0)
+    by_name: dict[str, list[tuple[str, str]]] = {}
+    for series in wanted:
+        name, _, label = series.partition("{")
+        by_name.setdefault(name, []).append((series, label.rstrip("}")))
     for line in text.splitlines():
         match = re.match(r"([a-z_]+)(\{[^}]*\})? ([0-9.e+-]+)$", line)
-        if match and match[1] in wanted:
-            values[match[1]] += float(match[3])
+        for series, label in by_name.get(match[1], ()) if match else ():
+            if label in (match[2] or ""):
+                values[series] += float(match[3])
     return values
 
 
@@ -443,6 +453,9 @@ def _row(args: argparse.Namespace, api: str, results: list[dict], wall_s: float,
             "yielded_to_prefill_s": round(delta["pdserve_decode_yielded_seconds_total"], 2),
             "batch_mean": round(delta["pdserve_decode_batch_size_sum"]
                                 / (delta["pdserve_decode_batch_size_count"] or 1), 1),
+            # the loop thread's time by phase: a small "wait" means the host sets the pace
+            "loop_s": {phase: round(delta[series], 2)
+                       for phase, series in zip(LOOP_PHASES, DECODE_SERIES[-len(LOOP_PHASES):])},
         }
     if routers:   # the router processes' CPU over the run (what one of them can relay), and
         # how the kernel spread the requests over them

@@ -126,6 +126,8 @@ class DecodeLoop:
         self._last_collected_at = 0.0
         self._last_launched_at = 0.0
         self._output = StepOutput()
+        self._phases = {phase: metrics.loop_seconds.labels(phase)
+                        for phase in ("schedule", "launch", "wait", "process")}
         self._thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
 
     @property
@@ -215,6 +217,7 @@ class DecodeLoop:
                 self.metrics.yielded.inc(time.perf_counter() - waited_from)
             elif not self._take_commands(block=idle):
                 return
+            started = time.perf_counter()   # after any wait for work or for prefill
             self._admit()
             # Yielding, the step in flight is still collected (its tokens go out); none follows.
             plan, batch = (None, []) if self._yield_left() > 0 else self._plan()
@@ -222,11 +225,14 @@ class DecodeLoop:
                 self._hand_over()
                 continue
             launched_at = time.perf_counter()
+            self._phases["schedule"].inc(launched_at - started)
             if plan is not None:
                 self._last_launched_at = time.monotonic()
             previous = in_flight.launched if (self.overlap and in_flight) else None
             try:
                 launched = self.steps.launch(plan) if plan is not None else None
+                waited_from = time.perf_counter()
+                self._phases["launch"].inc(waited_from - launched_at)
                 if self.overlap:
                     tokens = previous.tokens() if previous is not None else None
                     finished, in_flight = in_flight, (None if launched is None else InFlight(
@@ -241,10 +247,13 @@ class DecodeLoop:
                 in_flight = None
                 self._hand_over()
                 continue
+            processed_from = time.perf_counter()
+            self._phases["wait"].inc(processed_from - waited_from)
             if finished is not None:
                 assert tokens is not None
                 self._process(finished, tokens)
             self._hand_over()
+            self._phases["process"].inc(time.perf_counter() - processed_from)
 
     def _yield_left(self) -> float:
         """How much longer the next step waits for prefill (0: launch it now): up to

@@ -200,6 +200,12 @@ class DecodeMetrics(WorkerMetrics):
         self.yielded = self._metric(Counter, "pdserve_decode_yielded_seconds_total",
                                     "Time the decode loop held its next step back while a prefill "
                                     "worker sharing its GPU computed prompts reserved here")
+        self.loop_seconds = self._metric(
+            Counter, "pdserve_decode_loop_seconds_total",
+            "Time the decode loop's thread spent per part of its steps: schedule (admit and "
+            "plan), launch (prepare and enqueue a step), wait (for the GPU to finish the step it "
+            "collects), process (hand out that step's tokens). Little wait means the host, not "
+            "the device, sets the pace", extra=("phase",))
         self.steps.labels("eager")
 
 

@@ -491,6 +491,45 @@ def test_sampling_kernel_matches_the_torch_formula():
     assert (fused.cpu() == reference).float().mean() >= 0.95
 
 
+def test_slot_kernels_match_the_torch_path():
+    """A decode step's inputs read from the slots (one Triton kernel on CUDA) and the sampled
+    tokens written back (another) equal the torch path's, on slots of many pages, a padding
+    row included."""
+    import numpy as np
+
+    from pdserve.engine.batch import paged_rows
+    from pdserve.engine.decode_slots import DecodeSlots, SlotJoin
+
+    rng = np.random.default_rng(0)
+    page_size = 16
+    joins = []
+    for slot in range(12):
+        position = int(rng.integers(0, 4000))
+        pages = rng.integers(1, 100_000, position // page_size + 3).tolist()
+        joins.append(SlotJoin(slot, int(rng.integers(0, 1000)), position, pages,
+                              SamplingParams(temperature=0.7, seed=slot), slot, None))
+    on = {device: DecodeSlots(12, 4096 // page_size + 8, 1000, page_size, device)
+          for device in (CUDA, torch.device("cpu"))}
+    for slots in on.values():
+        slots.join(joins)
+    order = np.array([5, 2, 11, 0, 7, 12], dtype=np.int64)   # 12: the padding slot
+    seq_lens = on[CUDA].positions.cpu().numpy()[order] + 1
+    indptr = paged_rows(seq_lens, page_size)
+    batches = {device: ForwardBatch.from_slots(
+        slots, torch.from_numpy(order).to(device), seq_lens, indptr,
+        torch.from_numpy(indptr).to(device)) for device, slots in on.items()}
+    for field in ("input_ids", "positions", "seq_lens_kv", "out_slots", "kv_indices",
+                  "page_table"):
+        got, expected = getattr(batches[CUDA], field), getattr(batches[torch.device("cpu")], field)
+        assert got.dtype == expected.dtype and torch.equal(got.cpu(), expected), field
+    assert (indptr[1:] - indptr[:-1]).max() > 128   # a row's pages span blocks of the kernel
+    sampled = torch.arange(100, 106)
+    for device, slots in on.items():
+        slots.advance(torch.from_numpy(order[:5]).to(device), sampled[:5].to(device))
+    for name in ("tokens", "positions", "int_params"):
+        assert torch.equal(getattr(on[CUDA], name).cpu(), getattr(on[torch.device("cpu")], name))
+
+
 def test_overlapped_decode_loop_on_gpu_matches_single_process():
     """The decode loop on the GPU (device-side slots, CUDA graphs, overlap scheduling, fused
     sampling) gives a single process's greedy tokens, up to bf16 near-ties."""

@@ -51,6 +51,11 @@ def test_every_process_exports_its_metrics(cluster):
     assert _sum(prefill, "pdserve_kv_transfer_errors_total") == 0
     assert _sum(decode, "pdserve_generated_tokens_total") >= 5
     assert _sum(decode, "pdserve_decode_steps_total") >= 5
+    # the loop thread's time by phase; every step is scheduled, launched and processed
+    for phase in ("schedule", "launch", "wait", "process"):
+        assert any(k.startswith("pdserve_decode_loop_seconds_total{") and f"phase={phase}," in k
+                   for k in decode), phase
+    assert _sum(decode, "pdserve_decode_loop_seconds_total") > 0
     assert _sum(decode, "pdserve_kv_pages_free") + _sum(decode, "pdserve_kv_pages_used") == 1023
     for samples in (router, prefill, decode):
         for name in samples:

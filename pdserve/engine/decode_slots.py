@@ -122,8 +122,12 @@ class DecodeSlots:
 
     def advance(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """After a step: each row's sampled token becomes its next input, one position on."""
-        self.tokens[slots] = tokens
-        self.positions[slots] += 1
-        self.int_params[slots, 3] += 1
+        if tokens.is_cuda:   # one kernel for the three writes below
+            from pdserve.engine.decode_slots_kernel import advance
+            advance(slots, tokens, self.tokens, self.positions, self.int_params, 3)
+        else:
+            self.tokens[slots] = tokens
+            self.positions[slots] += 1
+            self.int_params[slots, 3] += 1
         if self.seen is not None:
             self.seen[slots, tokens] = True

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdserve.engine.batch import ForwardBatch, upload
+from pdserve.engine.batch import ForwardBatch, StagingRing, paged_rows
 from pdserve.engine.decode_slots import DecodeSlots, SlotJoin
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampling import sample_tensors
@@ -56,6 +56,8 @@ class DecodeSteps:
         self._tokens_out = [torch.zeros(max_rows, dtype=torch.long, pin_memory=self.on_cuda)
                             for _ in range(2)]
         self._launched = 0
+        # A step's slot ids and page offsets, uploaded in one copy.
+        self._staging = StagingRing(2 * 8 * (max_rows + 1), runner.device)
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> LaunchedStep:
@@ -75,8 +77,9 @@ class DecodeSteps:
         slot_ids[:n] = plan.slots
         seq_lens = np.ones(padded, dtype=np.int64)
         seq_lens[:n] = plan.seq_lens
-        slot_index = upload(slot_ids, runner.device)
-        batch = ForwardBatch.from_slots(slots, slot_index, seq_lens)
+        kv_indptr = paged_rows(seq_lens, slots.page_size)
+        slot_index, kv_indptr_dev = self._staging.upload(slot_ids, kv_indptr)
+        batch = ForwardBatch.from_slots(slots, slot_index, seq_lens, kv_indptr, kv_indptr_dev)
         if use_graph:
             logits = graphs.replay_batch(batch)[:n]
         else:

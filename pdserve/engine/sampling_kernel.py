@@ -1,8 +1,8 @@
 """One Triton kernel for the common sampling row: argmax(logits / T + Gumbel(seed, step, token)).
 
 One program per row reads the row's logits once, hashes the noise in registers (the same
-murmur3-based counter as `sampling.uniform_noise`, in uint32) and keeps a running argmax; a greedy
-row (T = 0) skips the noise. No [batch, vocab] intermediate is ever written.
+murmur3-based counter as `sampling.uniform_noise`, in uint32) and keeps a running argmax in each
+lane; a greedy row (T = 0) skips the noise. No [batch, vocab] intermediate is ever written.
 """
 from __future__ import annotations
 
@@ -23,15 +23,26 @@ def _mix32(x):
 
 
 @triton.jit
+def _first_argmax(best, best_index):
+    """The lowest index among the lanes holding the largest value."""
+    top = tl.max(best, axis=0)
+    return tl.min(tl.where(best == top, best_index, 2147483647), axis=0)
+
+
+@triton.jit
 def _gumbel_argmax(logits, stride, temperature, temperature_stride, seed_lo, seed_lo_stride,
                    seed_hi, seed_hi_stride, step, step_stride, out, vocab: tl.constexpr,
                    BLOCK: tl.constexpr):
+    # Each lane keeps its own running best over the row and the lanes are reduced once at the
+    # end: a reduction across the block per iteration (75 of them over a 152k vocabulary) made
+    # the kernel latency-bound, 134 us a step at batch 25 on an H100. A lane replaces its best
+    # only with a strictly larger score, so ties go to the lowest index, as in torch's argmax.
     row = tl.program_id(0)
     base = logits + row.to(tl.int64) * stride
     temp = tl.load(temperature + row * temperature_stride)
     offsets = tl.arange(0, BLOCK)
-    best = tl.full((), float("-inf"), tl.float32)
-    best_index = tl.full((), 0, tl.int32)
+    best = tl.full((BLOCK,), float("-inf"), tl.float32)
+    best_index = tl.zeros((BLOCK,), tl.int32)
     if temp > 0:
         inv_temp = 1.0 / temp
         h = _mix32(tl.load(seed_hi + row * seed_hi_stride).to(tl.uint32) ^ 0x6A09E667)
@@ -46,21 +57,17 @@ def _gumbel_argmax(logits, stride, temperature, temperature_stride, seed_lo, see
             uniform = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
             score = x * inv_temp - tl.log(-tl.log(uniform))
             score = tl.where(valid, score, float("-inf"))
-            block_best = tl.max(score, axis=0)
-            block_index = tl.argmax(score, axis=0, tie_break_left=True)
-            take = block_best > best
-            best_index = tl.where(take, start + block_index, best_index)
-            best = tl.where(take, block_best, best)
+            take = score > best
+            best_index = tl.where(take, index, best_index)
+            best = tl.where(take, score, best)
     else:
         for start in range(0, vocab, BLOCK):
             index = start + offsets
             x = tl.load(base + index, mask=index < vocab, other=float("-inf"))
-            block_best = tl.max(x, axis=0)
-            block_index = tl.argmax(x, axis=0, tie_break_left=True)
-            take = block_best > best
-            best_index = tl.where(take, start + block_index, best_index)
-            best = tl.where(take, block_best, best)
-    tl.store(out + row, best_index.to(tl.int64))
+            take = x > best
+            best_index = tl.where(take, index, best_index)
+            best = tl.where(take, x, best)
+    tl.store(out + row, _first_argmax(best, best_index).to(tl.int64))
 
 
 def gumbel_argmax_cuda(logits: torch.Tensor, temperature: torch.Tensor, seed_lo: torch.Tensor,
