@@ -30,8 +30,9 @@ def _decode_inputs(slot_index, kv_indptr, tokens, positions, page_table, page_ta
     pages = page_table + slot * page_table_stride
     tl.store(out_slots_out + row, tl.load(pages + position // PAGE_SIZE).to(tl.int64) * PAGE_SIZE
              + position % PAGE_SIZE)
+    # The host's count, which FlashInfer plans with (the slot's position gives the same).
     first = tl.load(kv_indptr + row)
-    count = position // PAGE_SIZE + 1
+    count = tl.load(kv_indptr + row + 1) - first
     for start in range(0, count, PAGES_BLOCK):
         offsets = start + tl.arange(0, PAGES_BLOCK)
         used = offsets < count
