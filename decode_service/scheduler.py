@@ -199,11 +199,13 @@ class DecodeLoop:
             self._loop()
             self.steps.runner.profiler.close()
         except BaseException as err:  # noqa: BLE001 - the event loop must learn of it
-            log.exception("decode loop died")
             if self._event_loop is not None and self._crashed is not None:
-                # (bound now: the name ``err`` is unset once the except block ends)
+                # run() raises it: the server logs it and stops the worker. (Bound now: the
+                # name ``err`` is unset once the except block ends.)
                 self._event_loop.call_soon_threadsafe(
                     lambda error=err: self._crashed.done() or self._crashed.set_exception(error))
+            else:
+                log.exception("decode loop died")
 
     def _loop(self) -> None:
         in_flight: InFlight | None = None

@@ -211,7 +211,8 @@ async def serve(config: DecodeConfig) -> None:
         await transfer_server.set_serving(True)
         log.info("decode: KV transfer on port %d", transfer_server.port)
     try:
-        await serve_until_signal(server, "decode", metrics_url, config.server.shutdown_grace_s)
+        await serve_until_signal(server, "decode", metrics_url, config.server.shutdown_grace_s,
+                                 engine=loop_task)
     finally:
         if transfer_server is not server:
             await transfer_server.stop(config.server.shutdown_grace_s)

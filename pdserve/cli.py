@@ -18,7 +18,7 @@ from pdserve.config import (
     RouterConfig,
     ServerConfig,
 )
-from pdserve.errors import ConfigError
+from pdserve.errors import ConfigError, EngineLoopDied
 from pdserve.launcher import ROUTER_SET_BY_LAUNCHER
 from pdserve.settings import add_flags, flag_kinds, from_args
 
@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:   # a configuration mistake: one line, no traceback
         print(f"pdserve: error: {err}", file=sys.stderr, flush=True)
         return 2
+    except EngineLoopDied as err:   # logged with its traceback where it happened
+        print(f"pdserve: error: {err}", file=sys.stderr, flush=True)
+        return 1
 
 
 def _preflight(command: str, config: Any) -> None:

@@ -80,3 +80,9 @@ class UpstreamError(PdserveError):
 
 class ConfigError(Exception):
     """A configuration mistake: reported as one line and a nonzero exit, never a traceback."""
+
+
+class EngineLoopDied(Exception):
+    """A worker's engine loop ended while the worker served: nothing it holds can make progress
+    any more, so the process stops (one line, a nonzero exit) for its supervisor (`pdserve up`,
+    Kubernetes) to start it again; the router's health checks and retries cover the gap."""

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Awaitable, Callable
 
 from pdserve.config import ServerConfig
+from pdserve.errors import EngineLoopDied
 from pdserve.grpc_util import MAX_MESSAGE_BYTES, Server
 from pdserve.metrics import RoleMetrics
 from pdserve.security import Identity
@@ -99,12 +100,20 @@ def start_metrics(config: ServerConfig, metrics: RoleMetrics) -> str:
     return f"http://{config.host}:{port}/metrics"
 
 
+# How long a worker whose engine loop died lets its calls end before it stops: they cannot make
+# progress, and each one ended tells its router to move on.
+ENGINE_LOST_GRACE_S = 1.0
+
+
 async def serve_until_signal(server: Server, role: str, metrics_url: str, grace_s: float,
                              serving: bool = True,
-                             also_stop: Callable[[], Awaitable[None]] | None = None) -> None:
+                             also_stop: Callable[[], Awaitable[None]] | None = None,
+                             engine: asyncio.Task | None = None) -> None:
     """Starts the server (SERVING at once unless ``serving`` is False: the caller flips it),
     logs where it listens, waits for SIGINT/SIGTERM, then drains in-flight calls (and, with
-    ``also_stop()``, another server of the process at the same time)."""
+    ``also_stop()``, another server of the process at the same time). ``engine``: the task
+    the process serves with (a worker's engine loop); should it end first, the server turns
+    NOT_SERVING, stops within ENGINE_LOST_GRACE_S and EngineLoopDied is raised."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -117,6 +126,21 @@ async def serve_until_signal(server: Server, role: str, metrics_url: str, grace_
              " (mutual TLS)" if server.mutual_tls else " (TLS)" if server.tls else "",
              server.host, server.port, f", metrics on {metrics_url}" if metrics_url else "",
              f", health on {server.health_port}" if server.health_port >= 0 else "")
-    await stop.wait()
+    signalled = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([signalled] + ([engine] if engine else []),
+                       return_when=asyncio.FIRST_COMPLETED)
+    died = None
+    if not signalled.done():
+        signalled.cancel()
+        assert engine is not None
+        error = None if engine.cancelled() else engine.exception()
+        died = EngineLoopDied(f"{role}: its engine loop ended ("
+                              f"{type(error).__name__ + ': ' + str(error) if error else 'returned'}"
+                              "); stopping so that it is started again")
+        log.error("%s", died, exc_info=error)
+        await server.set_serving(False)
+        grace_s = min(grace_s, ENGINE_LOST_GRACE_S)
     log.info("%s stopping (grace %.0f s)", role, grace_s)
     await asyncio.gather(server.stop(grace_s), *([also_stop()] if also_stop else []))
+    if died is not None:
+        raise died

@@ -115,7 +115,8 @@ async def serve(config: PrefillConfig) -> None:
     metrics_url = start_metrics(config.server, metrics)
     loop_task = asyncio.create_task(scheduler.run(), name="prefill-loop")
     try:
-        await serve_until_signal(server, "prefill", metrics_url, config.server.shutdown_grace_s)
+        await serve_until_signal(server, "prefill", metrics_url, config.server.shutdown_grace_s,
+                                 engine=loop_task)
     finally:
         loop_task.cancel()
         await scheduler.shutdown()

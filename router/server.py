@@ -158,7 +158,8 @@ async def serve(config: RouterConfig) -> None:
                      "https" if tls else "http", config.server.host, port, served_name(config))
         # Health turns SERVING only once a prefill and a decode worker are healthy.
         await serve_until_signal(server, "router", metrics_url, config.server.shutdown_grace_s,
-                                 serving=False, also_stop=http.stop if http else None)
+                                 serving=False, also_stop=http.stop if http else None,
+                                 engine=health_task)
     finally:
         if http is not None:
             await http.stop()

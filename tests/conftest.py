@@ -9,6 +9,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import pytest
@@ -225,6 +226,12 @@ class RoleProcesses:
     router: str
     processes: dict[str, subprocess.Popen]
     addresses: dict[str, str]
+    stderr: dict[str, Any] = field(default_factory=dict)   # files, for worker_env's processes
+
+    def stderr_of(self, name: str) -> str:
+        file = self.stderr[name]
+        file.seek(0)
+        return file.read()
 
     def stub(self) -> generate_pb2_grpc.GenerationServiceStub:
         return generate_pb2_grpc.GenerationServiceStub(grpc.insecure_channel(self.router))
@@ -287,13 +294,17 @@ def _worker_flags(addresses: dict[str, str], role: str, discovery: bool) -> list
 def start_roles(roles: list[str], discovery: bool = False, router_flags: list[str] | None = None,
                 decode_flags: list[str] | None = None,
                 prefill_flags: list[str] | None = None,
-                worker_flags: dict[str, list[str]] | None = None) -> RoleProcesses:
+                worker_flags: dict[str, list[str]] | None = None,
+                worker_env: dict[str, dict[str, str]] | None = None) -> RoleProcesses:
     """Starts one process per entry of ``roles`` ("prefill"/"decode"), then a router over them
     (with ``discovery``, finding them as dns:localhost:PORT instead of static addresses).
-    ``worker_flags``: more flags for one process, by name ("decode0", "prefill1", ...)."""
+    ``worker_flags``, ``worker_env``: more flags, environment variables for one process, by
+    name ("decode0", "prefill1", ...)."""
     role_flags = {"prefill": PREFILL_FLAGS + (prefill_flags or []),
                   "decode": DECODE_FLAGS + (decode_flags or [])}
     processes, addresses = {}, {}
+    # A process given its own environment writes its stderr to a file the test can read.
+    stderr = {name: tempfile.TemporaryFile(mode="w+") for name in (worker_env or {})}
     for i, role in enumerate(roles):
         port = free_port()
         name = f"{role}{roles[:i].count(role)}"
@@ -301,7 +312,10 @@ def start_roles(roles: list[str], discovery: bool = False, router_flags: list[st
         processes[name] = subprocess.Popen([sys.executable, "-m", "pdserve", role, "--port",
                                             str(port), "--internal-token-file", TOKEN_FILE,
                                             *ENGINE_FLAGS, *role_flags[role],
-                                            *(worker_flags or {}).get(name, [])])
+                                            *(worker_flags or {}).get(name, [])],
+                                           env={**os.environ,
+                                                **(worker_env or {}).get(name, {})},
+                                           stderr=stderr[name] if name in stderr else None)
     for name, process in processes.items():
         wait_serving(addresses[name], process)
     port = free_port()
@@ -313,4 +327,4 @@ def start_roles(roles: list[str], discovery: bool = False, router_flags: list[st
         *(router_flags or [])])
     health_port = _flag(router_flags or [], "--health-port")
     wait_serving(f"127.0.0.1:{health_port}" if health_port else router, processes["router"])
-    return RoleProcesses(router, processes, addresses)
+    return RoleProcesses(router, processes, addresses, stderr)
