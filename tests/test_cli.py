@@ -116,6 +116,7 @@ def test_two_prefill_and_two_decode_workers_share_the_load():
                              "--decode-devices", "cpu,cpu"])
     try:
         from conftest import generate
+
         from protos.pdserve.v1 import generate_pb2
 
         stub = cluster.stub()

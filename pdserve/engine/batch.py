@@ -24,6 +24,19 @@ def upload(host: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tenso
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
+_ARANGES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def arange_on(device: torch.device, n: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """``torch.arange(n)`` on ``device``, sliced from a cached tensor (no kernel per call: a
+    decode step needs three; never write to it)."""
+    cached = _ARANGES.get((device, dtype))
+    if cached is None or len(cached) < n:
+        cached = _ARANGES[(device, dtype)] = torch.arange(max(n, 1024), dtype=dtype,
+                                                          device=device)
+    return cached[:n]
+
+
 class StagingRing:
     """Page-locked host blocks, allocated once and written in turn, for uploads a decode step
     makes every time. `upload` costs, per call, torch's page-locked allocation and a driver
@@ -42,9 +55,10 @@ class StagingRing:
         self._copied: list[torch.cuda.Event | None] = [None] * blocks
         self._next = 0
 
-    def upload(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+    def upload(self, *arrays: np.ndarray,
+               stream: torch.cuda.Stream | None = None) -> list[torch.Tensor]:
         """Each array on the device, in one copy (through `upload` when they do not fit in a
-        block)."""
+        block). ``stream``: the current stream, where the caller has it at hand."""
         starts, end = [], 0
         for array in arrays:
             starts.append(end)
@@ -65,7 +79,7 @@ class StagingRing:
         if self.on_cuda:
             if copied is None:
                 copied = self._copied[i] = torch.cuda.Event()
-            copied.record()
+            copied.record(stream)
         return [on_device[start:start + a.nbytes].view(torch.from_numpy(a[:0]).dtype)
                 .view(a.shape) for a, start in zip(arrays, starts)]
 
@@ -233,13 +247,13 @@ class ForwardBatch:
             kv_indices = page_table[row_of_page, torch.arange(total_pages, device=device)
                                     - first_of_row[row_of_page]]
             seq_lens_kv = (positions + 1).to(torch.int32)
-        rows = torch.arange(n, dtype=torch.long, device=device)
+        rows = arange_on(device, n)
         return cls(
             is_decode=True,
             input_ids=input_ids,
             positions=positions,
             seq_ids=rows,
-            cu_seqlens_q=torch.arange(n + 1, dtype=torch.int32, device=device),
+            cu_seqlens_q=arange_on(device, n + 1, torch.int32),
             seq_lens_kv=seq_lens_kv,
             page_table=page_table,
             out_slots=out_slots,

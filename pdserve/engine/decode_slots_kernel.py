@@ -47,11 +47,9 @@ def decode_inputs(slot_index: torch.Tensor, kv_indptr: torch.Tensor, total_pages
     start in the page list (``total_pages`` long), counted by the host from the same positions."""
     n = slot_index.shape[0]
     device = slot_index.device
-    input_ids = torch.empty(n, dtype=torch.long, device=device)
-    positions_out = torch.empty(n, dtype=torch.long, device=device)
-    seq_lens = torch.empty(n, dtype=torch.int32, device=device)
-    out_slots = torch.empty(n, dtype=torch.long, device=device)
-    kv_indices = torch.empty(total_pages, dtype=torch.int32, device=device)
+    input_ids, positions_out, out_slots = torch.empty(3, n, dtype=torch.long, device=device)
+    int32s = torch.empty(n + total_pages, dtype=torch.int32, device=device)
+    seq_lens, kv_indices = int32s[:n], int32s[n:]
     assert page_table.stride(1) == 1
     if n:
         _decode_inputs[(n,)](slot_index, kv_indptr, tokens, positions, page_table,

@@ -55,6 +55,7 @@ class DecodeSteps:
         # next step's copy is in flight.
         self._tokens_out = [torch.zeros(max_rows, dtype=torch.long, pin_memory=self.on_cuda)
                             for _ in range(2)]
+        self._done = [torch.cuda.Event() for _ in range(2)] if self.on_cuda else []
         self._launched = 0
         # A step's slot ids and page offsets, uploaded in one copy.
         self._staging = StagingRing(2 * 8 * (max_rows + 1), runner.device)
@@ -78,7 +79,8 @@ class DecodeSteps:
         seq_lens = np.ones(padded, dtype=np.int64)
         seq_lens[:n] = plan.seq_lens
         kv_indptr = paged_rows(seq_lens, slots.page_size)
-        slot_index, kv_indptr_dev = self._staging.upload(slot_ids, kv_indptr)
+        stream = torch.cuda.current_stream() if self.on_cuda else None
+        slot_index, kv_indptr_dev = self._staging.upload(slot_ids, kv_indptr, stream=stream)
         batch = ForwardBatch.from_slots(slots, slot_index, seq_lens, kv_indptr, kv_indptr_dev)
         if use_graph:
             logits = graphs.replay_batch(batch)[:n]
@@ -89,13 +91,14 @@ class DecodeSteps:
         st = slots.sampling(rows)
         tokens = sample_tensors(logits, st, slots.seen_rows(rows) if st.any_penalty else None)
         slots.advance(rows, tokens)
+        # The landing buffer and its event, used in turn (a step is collected before the one
+        # after next is launched).
         out = self._tokens_out[self._launched % 2]
+        done = self._done[self._launched % 2] if self.on_cuda else None
         self._launched += 1
         out[:n].copy_(tokens, non_blocking=self.on_cuda)
-        done = None
-        if self.on_cuda:
-            done = torch.cuda.Event()
-            done.record()
+        if done is not None:
+            done.record(stream)
         return LaunchedStep(n, "cuda_graph" if use_graph else "eager", out, done)
 
     def wait_idle(self) -> None:
