@@ -25,3 +25,29 @@ def test_decode_batch_fast_path_equals_general_path():
                 assert a.dtype == b.dtype and torch.equal(a, b), field.name
             else:
                 assert a == b, field.name
+
+
+def test_staging_ring_packs_arrays_of_any_dtype_into_one_upload_and_reuses_its_blocks():
+    """Each array comes back with its dtype, shape and values, from one block written in turn
+    (the blocks are reused, so earlier results must not change); arrays that do not fit go up
+    one by one."""
+    import numpy as np
+
+    from pdserve.engine.batch import StagingRing, arange_on
+
+    ring = StagingRing(64, torch.device("cpu"), blocks=2)
+    results = []
+    for step in range(5):
+        arrays = (np.arange(3, dtype=np.int64) + step, np.array([7, step], dtype=np.int32),
+                  np.full((1, 2), step / 2, dtype=np.float32))
+        got = ring.upload(*arrays)
+        results.append((arrays, got))
+        for array, tensor in zip(arrays, got):
+            assert tensor.dtype == torch.from_numpy(array).dtype
+            assert tensor.shape == array.shape and (tensor.numpy() == array).all()
+    for arrays, got in results:   # results do not share the host blocks
+        assert all((t.numpy() == a).all() for a, t in zip(arrays, got))
+    big = ring.upload(np.arange(8), np.arange(3, dtype=np.int32))   # 88 bytes > 64
+    assert big[0].tolist() == list(range(8)) and big[1].tolist() == [0, 1, 2]
+    assert arange_on(torch.device("cpu"), 5).tolist() == [0, 1, 2, 3, 4]
+    assert arange_on(torch.device("cpu"), 3000, torch.int32)[-1].item() == 2999
