@@ -134,9 +134,10 @@ async def serve_until_signal(server: Server, role: str, metrics_url: str, grace_
         signalled.cancel()
         assert engine is not None
         error = None if engine.cancelled() else engine.exception()
-        died = EngineLoopDied(f"{role}: its engine loop ended ("
-                              f"{type(error).__name__ + ': ' + str(error) if error else 'returned'}"
-                              "); stopping so that it is started again")
+        how = ("cancelled" if engine.cancelled() else "returned" if error is None
+               else f"{type(error).__name__}: {error}")
+        died = EngineLoopDied(f"{role}: its engine loop ended ({how}); stopping so that it is "
+                              "started again")
         log.error("%s", died, exc_info=error)
         await server.set_serving(False)
         grace_s = min(grace_s, ENGINE_LOST_GRACE_S)

@@ -29,7 +29,7 @@ _ARANGES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 def arange_on(device: torch.device, n: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
     """``torch.arange(n)`` on ``device``, sliced from a cached tensor (no kernel per call: a
-    decode step needs three; never write to it)."""
+    decode step needs two; never write to it)."""
     cached = _ARANGES.get((device, dtype))
     if cached is None or len(cached) < n:
         cached = _ARANGES[(device, dtype)] = torch.arange(max(n, 1024), dtype=dtype,
