@@ -85,13 +85,24 @@ async def _serve_burst(runner, policy: str, aged: str = "",  # noqa: ANN001
             task.enqueued_at -= 2 * LOF_AGING_S
         return asyncio.ensure_future(scheduler.submit(task))
 
+    def loop_alive() -> None:
+        """A loop that has ended fails the test now, with its error, not at a timeout."""
+        if loop_task.done():
+            loop_task.result()
+            raise AssertionError("the prefill loop returned")
+
     try:
         # 2,000 tokens at 16 a step: the others all queue behind it, even on a fast machine.
         calls = [await submit("blocker", 2000, 4)]
         while "blocker" not in scheduler.started:
+            loop_alive()
             await asyncio.sleep(0.001)
         calls += [await submit(rid, 16, max_new) for rid, max_new in ARRIVALS]
-        await asyncio.wait_for(asyncio.gather(*calls), 120)
+        answered = asyncio.gather(*calls)
+        await asyncio.wait([answered, loop_task], timeout=120,
+                           return_when=asyncio.FIRST_COMPLETED)
+        loop_alive()
+        answered.result()
         for rid in ["blocker", *(rid for rid, _ in ARRIVALS)]:
             table.release(rid)
         for _ in range(500):                     # background frees settle
