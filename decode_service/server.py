@@ -16,7 +16,7 @@ from kv_transfer.service import KVTransferServicer, offered_engines
 from pdserve.config import DecodeConfig
 from pdserve.engine.decode_steps import DecodeSteps
 from pdserve.engine.runner import ModelRunner
-from pdserve.errors import InvalidRequest, PdserveError
+from pdserve.errors import InvalidRequest, PdserveError, status_number
 from pdserve.grpc_util import Server, map_errors
 from pdserve.metrics import DecodeMetrics
 from pdserve.models.source import served_name
@@ -52,7 +52,7 @@ def _to_proto(final: Final) -> decode_pb2.RequestTokens:
         finish_reason=FINISH_REASONS.get(final.finish_reason or "",
                                          generate_pb2.FINISH_REASON_UNSPECIFIED))
     if final.error is not None:
-        message.error_code = final.error[0].value[0]
+        message.error_code = status_number(final.error[0])
         message.error_message = final.error[1]
     return message
 

@@ -21,7 +21,7 @@ from kv_transfer import (
 )
 from kv_transfer.base import Receiver, TransferSink
 from kv_transfer.grpc_engine import GrpcReceiver
-from pdserve.errors import LayoutMismatch, PdserveError
+from pdserve.errors import LayoutMismatch, PdserveError, status_number
 from pdserve.grpc_util import map_errors, parsed
 from pdserve.kvcache.pool import KVPool
 from pdserve.proto_convert import layout_from_proto
@@ -132,4 +132,4 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
 
 def _report_error(request_id: str, landed: bool, err: PdserveError) -> kv_transfer_pb2.ReportError:
     return kv_transfer_pb2.ReportError(request_id=request_id, landed=landed,
-                                       code=err.code.value[0], message=str(err))
+                                       code=status_number(err.code), message=str(err))

@@ -68,6 +68,11 @@ def status_code(number: int) -> grpc.StatusCode:
     return _BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN)
 
 
+def status_number(code: grpc.StatusCode) -> int:
+    """The number an internal message carries for ``code`` (`status_code` reads it back)."""
+    return code.value[0]
+
+
 class UpstreamError(PdserveError):
     """A worker's gRPC error, passed on to the client with its status code where the public
     API has it (else UNAVAILABLE); ``worker_code`` keeps the worker's."""

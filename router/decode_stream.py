@@ -36,8 +36,6 @@ class StreamError(Exception):
         return self._details
 
 
-
-
 class DecodeStream:
     def __init__(self, stub: Any, address: str) -> None:
         self.stub = stub
