@@ -29,8 +29,8 @@ def test_decode_batch_fast_path_equals_general_path():
 
 def test_staging_ring_packs_arrays_of_any_dtype_into_one_upload_and_reuses_its_blocks():
     """Each array comes back with its dtype, shape and values, from one block written in turn
-    (the blocks are reused, so earlier results must not change); arrays that do not fit go up
-    one by one."""
+    (allocated once, host and device, and reused: a result holds until its block's next turn);
+    arrays that do not fit go up one by one."""
     import numpy as np
 
     from pdserve.engine.batch import StagingRing, arange_on
@@ -45,7 +45,11 @@ def test_staging_ring_packs_arrays_of_any_dtype_into_one_upload_and_reuses_its_b
         for array, tensor in zip(arrays, got):
             assert tensor.dtype == torch.from_numpy(array).dtype
             assert tensor.shape == array.shape and (tensor.numpy() == array).all()
-    for arrays, got in results:   # results do not share the host blocks
+    # An upload's tensors hold until its block's next turn (two uploads later), in a block
+    # allocated once.
+    for (arrays, got), (_, later) in zip(results, results[2:]):
+        assert got[0].data_ptr() == later[0].data_ptr()
+    for arrays, got in results[-2:]:
         assert all((t.numpy() == a).all() for a, t in zip(arrays, got))
     big = ring.upload(np.arange(8), np.arange(3, dtype=np.int32))   # 88 bytes > 64
     assert big[0].tolist() == list(range(8)) and big[1].tolist() == [0, 1, 2]

@@ -38,11 +38,14 @@ def arange_on(device: torch.device, n: int, dtype: torch.dtype = torch.long) -> 
 
 
 class StagingRing:
-    """Page-locked host blocks, allocated once and written in turn, for uploads a decode step
-    makes every time. `upload` costs, per call, torch's page-locked allocation and a driver
-    query of whether the source is page-locked (0.3 ms together on an H100 host, for a few
-    hundred bytes); here a call costs a numpy copy into the block and one asynchronous copy of
-    all its arrays. A block is rewritten only once its last copy has run (an event per block)."""
+    """Page-locked host blocks and their device blocks, allocated once and written in turn, for
+    uploads a decode step makes every time. `upload` costs, per call, torch's page-locked
+    allocation and a driver query of whether the source is page-locked (0.3 ms together on an
+    H100 host, for a few hundred bytes); here a call costs a numpy copy into the block and one
+    asynchronous copy of all its arrays. A host block is rewritten only once its last copy has
+    run (an event per block); a device block once every kernel enqueued before that copy on
+    the stream has read it, in stream order: what a block holds must be read on the stream it
+    was uploaded on, before the block's next turn (``blocks`` uploads later)."""
 
     ALIGN = 8
 
@@ -52,6 +55,8 @@ class StagingRing:
         self.on_cuda = device.type == "cuda"
         self._blocks = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.on_cuda)
                         for _ in range(blocks)]
+        self._device_blocks = [torch.empty(nbytes, dtype=torch.uint8, device=device)
+                               for _ in range(blocks)]
         self._copied: list[torch.cuda.Event | None] = [None] * blocks
         self._next = 0
 
@@ -74,7 +79,7 @@ class StagingRing:
         for array, start in zip(arrays, starts):
             flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
             host[start:start + array.nbytes] = flat
-        on_device = torch.empty(end, dtype=torch.uint8, device=self.device)
+        on_device = self._device_blocks[i][:end]
         on_device.copy_(block[:end], non_blocking=self.on_cuda)
         if self.on_cuda:
             if copied is None:
