@@ -212,8 +212,6 @@ class DecodeLoop:
         while True:
             idle = in_flight is None and not self._running and not self._waiting
             yield_s = 0.0 if idle or in_flight is not None else self._yield_left()
-            if idle or yield_s > 0:   # what is done goes out before the loop waits
-                self._hand_over()
             if yield_s > 0:
                 waited_from = time.perf_counter()
                 if not self._take_commands(block=True, timeout=yield_s):
@@ -237,10 +235,6 @@ class DecodeLoop:
                 launched = self.steps.launch(plan) if plan is not None else None
                 waited_from = time.perf_counter()
                 self._phases["launch"].inc(waited_from - launched_at)
-                # The last step's tokens go to the event loop now, while this thread waits
-                # for the GPU: handed over before the launch, the event loop's work on them
-                # (the streams' messages) would contend for the GIL with it.
-                self._hand_over()
                 if self.overlap:
                     tokens = previous.tokens() if previous is not None else None
                     finished, in_flight = in_flight, (None if launched is None else InFlight(
@@ -260,6 +254,7 @@ class DecodeLoop:
             if finished is not None:
                 assert tokens is not None
                 self._process(finished, tokens)
+            self._hand_over()
             self._phases["process"].inc(time.perf_counter() - processed_from)
 
     def _yield_left(self) -> float:

@@ -31,9 +31,12 @@ log = logging.getLogger(__name__)
 Remaining = Callable[[], "float | None"]
 
 # A worker that died mid-call: it cannot be reached (UNAVAILABLE), or its stream was removed
-# (UNKNOWN or INTERNAL, by where the connection broke). Such a worker is marked unhealthy at
-# once, so retries go elsewhere; the next health probe marks it healthy again if it is.
-WORKER_GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
+# (UNKNOWN or INTERNAL, by where the connection broke), or it cancelled the call itself as it
+# stopped (CANCELLED: a call the router gives up ends in its own task's cancellation, never in
+# a CANCELLED answer). Such a worker is marked unhealthy at once, so retries go elsewhere; the
+# next health probe marks it healthy again if it is.
+WORKER_GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+               grpc.StatusCode.CANCELLED}
 # Failures before the first token that another worker pair may not have.
 RETRYABLE = WORKER_GONE | {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED}
 # A decode stream that ends with these goes on on another pair (NOT_FOUND: the worker lost the
