@@ -1,7 +1,8 @@
 """A worker whose engine loop dies stops (one line, exit code 1) instead of serving on as a
 shell: its health turns NOT_SERVING, its calls end, and the router finishes the requests on the
 workers left, with the tokens a single process gives. The bug that kills the loop is injected
-(a loop that ends by itself is a bug; none is known to cause one)."""
+(a loop that ends by itself is a bug; none is known to cause one), as is a worker that cancels
+its calls (what a stopping worker's calls may end with)."""
 from __future__ import annotations
 
 import os
@@ -62,5 +63,37 @@ def test_worker_whose_engine_loop_dies_exits_and_its_requests_finish_elsewhere(
         last = cluster.stderr_of(broken).strip().splitlines()[-1]
         assert last == (f"pdserve: error: {role}: its engine loop ended (RuntimeError: injected "
                         "bug in the engine loop); stopping so that it is started again")
+    finally:
+        cluster.stop()
+
+
+# The prefill worker answers every Prefill with CANCELLED, as calls of a worker that is stopping
+# may end (seen in CI: one of the calls a dying prefill worker had taken came back CANCELLED).
+CANCELS = """
+import grpc
+from prefill_service.server import PrefillServicer
+
+async def cancelled(self, request, context):
+    await context.abort(grpc.StatusCode.CANCELLED, "")
+
+PrefillServicer.Prefill = cancelled
+"""
+
+
+def test_calls_a_worker_cancels_itself_are_retried_on_another(tiny_runner, tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(CANCELS)
+    path = os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])
+    cluster = start_roles(["prefill", "prefill", "decode"],
+                          worker_env={"prefill0": {"PYTHONPATH": path}})
+    try:
+        prompts = [list(f"cancelled {i}".encode()) for i in range(6)]
+        settings = dict(max_new_tokens=8, temperature=0.7, seed=5)
+        sampling = generate_pb2.SamplingParams(ignore_eos=True, **settings)
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            responses = list(pool.map(lambda p: generate(
+                cluster.stub(), token_ids=generate_pb2.TokenIds(ids=p), sampling=sampling),
+                prompts))
+        for prompt, (tokens, _, _, _) in zip(prompts, responses):
+            assert tokens == local.generate(tiny_runner, prompt, SamplingParams(**settings))
     finally:
         cluster.stop()
