@@ -334,14 +334,33 @@ def main() -> None:
                         "prefix cache); the JSON's figures are the median run's, with every "
                         "run's throughput beside them (one run varies by a few percent)")
     parser.add_argument("--label", default="", help="name of this configuration in the JSON")
+    parser.add_argument("--shard", default="", metavar="K/N",
+                        help="only requests K, K+N, K+2N, ... of the workload: the share one of N "
+                             "worker pairs gets when a router spreads the burst over N (N one-GPU "
+                             "runs estimate N GPUs of both roles each; the estimate is no "
+                             "measurement of them)")
     parser.add_argument("--out", default="bench/results/throughput.json")
     args = parser.parse_args()
+    shard = None
+    if args.shard:
+        try:
+            k, n = (int(part) for part in args.shard.split("/"))
+        except ValueError:
+            parser.error(f"--shard {args.shard}: expected K/N, such as 0/2")
+        if not 0 <= k < n:
+            parser.error(f"--shard {args.shard}: K must be at least 0 and below N")
+        shard = (k, n)
     if args.peer_json and not Path(args.peer_json).is_file():
         parser.error(f"--peer-json {args.peer_json}: no such file")
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    if min(args.max_input, args.max_output) < 100:
+        parser.error("--max-input and --max-output must be at least 100 (the workload draws "
+                     "lengths from 100 up, as mini-sglang's does)")
 
     prompts, outputs = workload(args.num_seqs, args.max_input, args.max_output)
+    if shard is not None:
+        prompts, outputs = prompts[shard[0]::shard[1]], outputs[shard[0]::shard[1]]
     process = None
     decode_metrics = ""
     metrics: dict[str, str] = {}
@@ -443,6 +462,7 @@ def _row(args: argparse.Namespace, api: str, results: list[dict], wall_s: float,
     row = {
         "label": args.label or args.up_args or "default", "api": api,
         "up_args": args.up_args, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "shard": args.shard or None,
         "model": args.model, "seqs": len(results), "output_tokens": tokens,
         "output_tokens_expected": expected, "wall_s": round(wall_s, 2),
         "throughput_tok_s": round(tokens / wall_s, 1),
