@@ -37,27 +37,36 @@ setattr(cls, {method!r}, broken)
 '''
 
 
+def _injected(tmp_path, code: str) -> dict[str, str]:
+    """The environment that makes a worker import ``code`` first (as its sitecustomize)."""
+    (tmp_path / "sitecustomize.py").write_text(code)
+    return {"PYTHONPATH": os.pathsep.join([str(tmp_path),
+                                           *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
+def _assert_all_match_single_process(cluster, tiny_runner, label: str, **settings) -> None:
+    """Six concurrent requests through the router, each with the single process's tokens."""
+    prompts = [list(f"{label} {i}".encode()) for i in range(6)]
+    sampling = generate_pb2.SamplingParams(ignore_eos=True, **settings)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        responses = list(pool.map(lambda p: generate(
+            cluster.stub(), token_ids=generate_pb2.TokenIds(ids=p), sampling=sampling), prompts))
+    for prompt, (tokens, _, _, _) in zip(prompts, responses):
+        assert tokens == local.generate(tiny_runner, prompt, SamplingParams(**settings))
+
+
 @pytest.mark.parametrize("role", ["decode", "prefill"])
 def test_worker_whose_engine_loop_dies_exits_and_its_requests_finish_elsewhere(
         role, tiny_runner, tmp_path):
     module, cls, method = BREAK[role]
-    (tmp_path / "sitecustomize.py").write_text(
-        SITECUSTOMIZE.format(module=module, cls=cls, method=method))
-    path = os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])
     broken = f"{role}0"
     cluster = start_roles(["prefill", "prefill", "decode", "decode"] if role == "prefill"
                           else ["prefill", "decode", "decode"],
-                          worker_env={broken: {"PYTHONPATH": path}})
+                          worker_env={broken: _injected(tmp_path, SITECUSTOMIZE.format(
+                              module=module, cls=cls, method=method))})
     try:
-        prompts = [list(f"loop {i} dies".encode()) for i in range(6)]
-        settings = dict(max_new_tokens=12, temperature=0.7, seed=3)
-        sampling = generate_pb2.SamplingParams(ignore_eos=True, **settings)
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            responses = list(pool.map(lambda p: generate(
-                cluster.stub(), token_ids=generate_pb2.TokenIds(ids=p), sampling=sampling),
-                prompts))
-        for prompt, (tokens, _, _, _) in zip(prompts, responses):
-            assert tokens == local.generate(tiny_runner, prompt, SamplingParams(**settings))
+        _assert_all_match_single_process(cluster, tiny_runner, "loop dies", max_new_tokens=12,
+                                         temperature=0.7, seed=3)
         process = cluster.processes[broken]
         assert process.wait(30) == 1
         last = cluster.stderr_of(broken).strip().splitlines()[-1]
@@ -81,19 +90,10 @@ PrefillServicer.Prefill = cancelled
 
 
 def test_calls_a_worker_cancels_itself_are_retried_on_another(tiny_runner, tmp_path):
-    (tmp_path / "sitecustomize.py").write_text(CANCELS)
-    path = os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])
     cluster = start_roles(["prefill", "prefill", "decode"],
-                          worker_env={"prefill0": {"PYTHONPATH": path}})
+                          worker_env={"prefill0": _injected(tmp_path, CANCELS)})
     try:
-        prompts = [list(f"cancelled {i}".encode()) for i in range(6)]
-        settings = dict(max_new_tokens=8, temperature=0.7, seed=5)
-        sampling = generate_pb2.SamplingParams(ignore_eos=True, **settings)
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            responses = list(pool.map(lambda p: generate(
-                cluster.stub(), token_ids=generate_pb2.TokenIds(ids=p), sampling=sampling),
-                prompts))
-        for prompt, (tokens, _, _, _) in zip(prompts, responses):
-            assert tokens == local.generate(tiny_runner, prompt, SamplingParams(**settings))
+        _assert_all_match_single_process(cluster, tiny_runner, "cancelled", max_new_tokens=8,
+                                         temperature=0.7, seed=5)
     finally:
         cluster.stop()
