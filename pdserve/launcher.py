@@ -54,9 +54,12 @@ MEMORY_SHARE = {"prefill": 0.25, "decode": 0.75}
 # against 2.08 s, ITL p50 17.7 ms against 18.3), qwen3-0.6b 18,004 against 17,721-17,941.
 YIELD_TO_PREFILL_MS = 1000.0
 # --routers auto on a GPU host: one router process per CORES_PER_ROUTER cores, at most
-# AUTO_ROUTERS. Measured on one H100 (16 cores; `bench/throughput.py`, qwen3-0.6b): one router
-# ran at 100% of a core relaying about 9k tokens/s; four shared about 1.3 cores at 17k.
-AUTO_ROUTERS = 4
+# ROUTERS_PER_GPU for each GPU the workers use (a router's work grows with the tokens it relays,
+# and those with the GPUs). Measured on one H100 (16 cores; `bench/throughput.py`, qwen3-0.6b):
+# one router ran at 100% of a core relaying about 9k tokens/s; four shared about 1.3 cores at
+# 17k. On one H200 at 22.6k tokens/s the busiest of four used 82% of a core, and eight gave the
+# same throughput (bench/reference/h200/two-gpu-estimate/3-routers-and-gpu-tests).
+ROUTERS_PER_GPU = 4
 CORES_PER_ROUTER = 4
 
 
@@ -144,14 +147,16 @@ class ClusterPlan:
         return count
 
     def router_count(self) -> int:
-        """--routers, or under auto (0): one where every worker runs on the CPU; where one runs
-        on a GPU, one per CORES_PER_ROUTER cores of this host, at most AUTO_ROUTERS (a router
-        process relays its clients' streamed messages on one core)."""
+        """--routers, or under auto (0): one where every worker runs on the CPU; where workers
+        run on GPUs, one per CORES_PER_ROUTER cores of this host, at most ROUTERS_PER_GPU for
+        each GPU they use (a router process relays its clients' streamed messages on one
+        core)."""
         if self.launcher.routers > 0:
             return self.launcher.routers
-        if not any(_gpu(self.device_of(role, i)) for role, i in self._workers()):
+        gpus = {_gpu(self.device_of(role, i)) for role, i in self._workers()} - {""}
+        if not gpus:
             return 1
-        return max(1, min(AUTO_ROUTERS, (os.cpu_count() or 1) // CORES_PER_ROUTER))
+        return max(1, min(ROUTERS_PER_GPU * len(gpus), (os.cpu_count() or 1) // CORES_PER_ROUTER))
 
     def worker_argv(self, role: str, index: int) -> list[str]:
         config = self.prefill if role == "prefill" else self.decode

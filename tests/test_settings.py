@@ -110,8 +110,8 @@ def test_up_starts_one_worker_per_listed_device_unless_told_otherwise():
 
 def test_up_resolves_auto_devices_and_router_count_from_the_host(monkeypatch):
     """--device auto shares a GPU only on a host with one (a CPU cluster neither splits memory
-    nor yields to prefill); --routers auto starts one router per 4 cores, at most 4, where a
-    worker runs on a GPU, and one on the CPU."""
+    nor yields to prefill); --routers auto starts one router per 4 cores, at most 4 for each
+    GPU the workers use, and one on the CPU."""
     import pdserve.launcher as launcher
 
     def plan_for(*flags):
@@ -137,6 +137,13 @@ def test_up_resolves_auto_devices_and_router_count_from_the_host(monkeypatch):
     assert plan_for().router_count() == 1
     monkeypatch.setattr(launcher.os, "cpu_count", lambda: 64)
     assert plan_for().router_count() == 4
+    # Four a GPU the workers use: two GPUs, eight routers, where the cores allow.
+    two = ("--prefill-devices", "cuda:0,cuda:1", "--decode-devices", "cuda:0,cuda:1")
+    assert plan_for(*two).router_count() == 8
+    assert plan_for("--prefill-devices", "cuda:0", "--decode-devices", "cuda:1").router_count() == 8
+    assert plan_for("--decode", "2", "--decode-devices", "cuda,cuda:0").router_count() == 4
+    monkeypatch.setattr(launcher.os, "cpu_count", lambda: 16)
+    assert plan_for(*two).router_count() == 4
 
 
 def test_prefill_chunk_auto_follows_the_model_size_and_the_pool():
