@@ -58,7 +58,8 @@ YIELD_TO_PREFILL_MS = 1000.0
 # and those with the GPUs). Measured on one H100 (16 cores; `bench/throughput.py`, qwen3-0.6b):
 # one router ran at 100% of a core relaying about 9k tokens/s; four shared about 1.3 cores at
 # 17k. On one H200 at 22.6k tokens/s the busiest of four used 82% of a core, and eight gave the
-# same throughput (bench/reference/h200/two-gpu-estimate/3-routers-and-gpu-tests).
+# same throughput (bench/reference/h200/two-gpu-estimate/3-routers-and-gpu-tests); on 2x H200
+# at 33k tokens/s the busiest of eight used 93% (bench/reference/h200x2/both-roles-each-gpu).
 ROUTERS_PER_GPU = 4
 CORES_PER_ROUTER = 4
 

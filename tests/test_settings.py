@@ -137,7 +137,7 @@ def test_up_resolves_auto_devices_and_router_count_from_the_host(monkeypatch):
     assert plan_for().router_count() == 1
     monkeypatch.setattr(launcher.os, "cpu_count", lambda: 64)
     assert plan_for().router_count() == 4
-    # Four a GPU the workers use: two GPUs, eight routers, where the cores allow.
+    # Four for each GPU the workers use: two GPUs, eight routers, where the cores allow.
     two = ("--prefill-devices", "cuda:0,cuda:1", "--decode-devices", "cuda:0,cuda:1")
     assert plan_for(*two).router_count() == 8
     assert plan_for("--prefill-devices", "cuda:0", "--decode-devices", "cuda:1").router_count() == 8
