@@ -474,21 +474,37 @@ def test_up_with_both_roles_on_each_of_two_gpus(capfd):
 
 
 def test_sampling_kernel_matches_the_torch_formula():
-    """The fused Gumbel-argmax kernel draws what the torch formula draws (rows apart from rare
-    float near-ties), and a greedy row is exactly argmax."""
+    """The fused Gumbel-argmax kernels draw what the torch formula draws (rows apart from rare
+    float near-ties), a greedy row is exactly argmax (the lowest of tied ids, wherever the
+    vocabulary is split), the model's bfloat16 logits give what their float32 copy gives, and a
+    row draws the same alone as in any batch (the split depends on the batch size)."""
     from pdserve.engine.sampling import SamplingTensors, gumbel_argmax
+    from pdserve.engine.sampling_kernel import split
     from pdserve.sampling_params import SampleRow
 
     torch.manual_seed(0)
+    vocab = 151936
     rows = [SampleRow(SamplingParams(temperature=[0.0, 0.6, 1.0, 1.5][i % 4], seed=i * 7919),
-                      output_index=i) for i in range(64)]
-    logits = torch.randn(64, 151936, device=CUDA) * 3
+                      output_index=i) for i in range(256)]
+    logits = torch.randn(256, vocab, device=CUDA) * 3
+    logits[::8, 7] = logits[::8, vocab - 3] = 1000.0   # ties far apart, in different parts
     st = SamplingTensors.from_rows(rows, CUDA)
     fused = gumbel_argmax(logits, st)
     cpu_st = SamplingTensors.from_rows(rows, torch.device("cpu"))
     reference = gumbel_argmax(logits.cpu(), cpu_st)
     assert torch.equal(fused[::4].cpu(), logits[::4].argmax(-1).cpu())
+    assert split(1, vocab, 528)[0] > 1 and split(256, vocab, 528)[0] < split(8, vocab, 528)[0]
+    assert (fused[::8] == 7).all()   # greedy rows
     assert (fused.cpu() == reference).float().mean() >= 0.95
+    half = logits.bfloat16()
+    assert torch.equal(gumbel_argmax(half, st), gumbel_argmax(half.float(), st))
+    for batch in (1, 3, 64):
+        for start in (0, 101, 256 - batch):
+            part = SamplingTensors.from_rows(rows[start:start + batch], CUDA)
+            assert torch.equal(gumbel_argmax(logits[start:start + batch], part),
+                               fused[start:start + batch])
+    neg = torch.full((4, vocab), float("-inf"), device=CUDA)
+    assert gumbel_argmax(neg, SamplingTensors.from_rows(rows[:4], CUDA)).tolist() == [0] * 4
 
 
 def test_slot_kernels_match_the_torch_path():

@@ -144,9 +144,12 @@ def _filtered_sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
 
 def sample_tensors(logits: torch.Tensor, st: SamplingTensors,
                    seen: torch.Tensor | None = None) -> torch.Tensor:
-    """Next token id per row of ``logits`` [batch, vocab] (float32) -> [batch] int64 (on the
-    device; nothing here waits for the GPU). ``seen``: [batch, vocab] bool, needed when a row
-    has a repetition penalty."""
+    """Next token id per row of ``logits`` [batch, vocab] (float32, or the model's dtype) ->
+    [batch] int64 (on the device; nothing here waits for the GPU). ``seen``: [batch, vocab]
+    bool, needed when a row has a repetition penalty. Argmax and the CUDA Gumbel kernel read
+    lower-precision logits as they are (widening is exact); the rest computes in float32."""
+    if logits.dtype != torch.float32 and (st.any_penalty or st.any_filter or not logits.is_cuda):
+        logits = logits.float()
     if st.any_penalty:
         assert seen is not None
         logits = apply_repetition_penalty(logits, seen, st.penalty)

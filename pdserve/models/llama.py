@@ -137,8 +137,10 @@ class CausalLM(nn.Module):
         self.fuse_rope_kv = fused_rope_kv and ops.fuses_rope_kv(cfg.head_dim)
         self.use_gemv = triton_gemv and ops.has_gemv
 
-    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
-        """Float32 logits [batch, vocab]."""
+    def forward(self, batch: ForwardBatch, attn: AttentionBackend,
+                float_logits: bool = True) -> torch.Tensor:
+        """Logits [batch, vocab]: float32, or the model's dtype where ``float_logits`` is
+        False (decode's graphs: the sampler reads them as they are)."""
         assert self.cos_sin is not None, "prepare() first"
         # The one-row GEMV only goes into CUDA graphs: launched eagerly its Triton launcher
         # costs more than it saves. The fused RoPE + K/V store goes into graphs and into eager
@@ -160,4 +162,4 @@ class CausalLM(nn.Module):
         x, _ = self.ops.add_rmsnorm(x[rows], residual[rows], self.norm.weight, self.norm.eps)
         weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         logits = self.ops.gemv(x, weight) if ctx.gemv else F.linear(x, weight)
-        return logits.float()
+        return logits.float() if float_logits else logits
