@@ -10,7 +10,7 @@ import grpc
 from decode_service.outbox import Final, Outbox
 from decode_service.reservations import ReservationTable
 from decode_service.scheduler import DecodeLoop, DecodeRequest
-from kv_transfer import writes_unseen
+from kv_transfer import gpu_uuid, writes_unseen
 from kv_transfer.base import KVTarget
 from kv_transfer.service import KVTransferServicer, offered_engines
 from pdserve.config import DecodeConfig
@@ -67,6 +67,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self.loop = loop
         self.address = address
         self.worker = worker
+        self.gpu_uuid = gpu_uuid(runner.device)
 
     @map_errors
     async def Reserve(self, request: decode_pb2.ReserveRequest,
@@ -163,7 +164,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                            queued=self.loop.num_waiting + self.table.num_waiting,
                            reservations=len(self.table), engines=self.engines,
                            held_pages=self.table.held_pages,
-                           fenced_pages=self.table.num_fenced_pages)
+                           fenced_pages=self.table.num_fenced_pages, gpu_uuid=self.gpu_uuid)
 
 
 async def serve(config: DecodeConfig) -> None:

@@ -197,6 +197,11 @@ class RouterConfig(ModelSource):
     cache_aware_max_imbalance_tokens: int = setting(
         16384, "cache_aware: go to the least loaded prefill worker instead when the one with "
         "the prefix has this many more prompt tokens waiting")
+    same_gpu_max_imbalance_tokens: int = setting(
+        16384, "prefill a request on its decode worker's GPU, where one is (its KV then never "
+        "leaves the GPU), unless that prefill worker has this many more prompt tokens waiting "
+        "than the one the policy picks (a cached prefix elsewhere still wins); negative: no "
+        "preference")
 
 
 @dataclass

@@ -39,9 +39,9 @@ def sampling_from_proto(msg: worker_pb2.WorkerSampling) -> SamplingParams:
 def worker_info(runner: ModelRunner, role: str, worker: str, running: int, queued: int,
                 reservations: int, engines: list[str], held_pages: int,
                 fenced_pages: int = 0, queued_tokens: int = 0, cached_pages: int = 0,
-                evictable_pages: int = 0) -> worker_pb2.WorkerInfo:
+                evictable_pages: int = 0, gpu_uuid: str = "") -> worker_pb2.WorkerInfo:
     """``held_pages``: pages the worker's requests, reservations (fenced included) and prefix
-    cache hold."""
+    cache hold; ``gpu_uuid``: the GPU its pool is on (kv_transfer.gpu_uuid)."""
     cfg = runner.model_config
     allocator = runner.pool.allocator
     return worker_pb2.WorkerInfo(
@@ -51,4 +51,5 @@ def worker_info(runner: ModelRunner, role: str, worker: str, running: int, queue
         reservations=reservations, attention_backend=runner.backend_name,
         kv_transfer_engines=engines, fenced_pages=fenced_pages,
         leaked_pages=allocator.leaked(held_pages), device=str(runner.device),
-        queued_tokens=queued_tokens, cached_pages=cached_pages, evictable_pages=evictable_pages)
+        queued_tokens=queued_tokens, cached_pages=cached_pages, evictable_pages=evictable_pages,
+        gpu_uuid=gpu_uuid)

@@ -6,6 +6,7 @@ import logging
 
 import grpc
 
+from kv_transfer import gpu_uuid
 from kv_transfer.base import KVTarget
 from kv_transfer.link import DecodeLinks
 from pdserve.config import PrefillConfig
@@ -39,6 +40,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self.identity = identity
         self.scheduler = scheduler
         self.worker = worker
+        self.gpu_uuid = gpu_uuid(runner.device)
 
     @map_errors
     async def Prefill(self, request: prefill_pb2.PrefillRequest,
@@ -81,7 +83,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                            held_pages=self.scheduler.held_pages,
                            queued_tokens=self.scheduler.queued_tokens,
                            cached_pages=self.scheduler.pages.cached_pages,
-                           evictable_pages=self.scheduler.pages.evictable_pages)
+                           evictable_pages=self.scheduler.pages.evictable_pages,
+                           gpu_uuid=self.gpu_uuid)
 
 
 async def serve(config: PrefillConfig) -> None:

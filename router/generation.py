@@ -144,7 +144,7 @@ class Generation:
         while attempts < MAX_ATTEMPTS:
             try:
                 decode_worker = self.workers.pick("decode", job, exclude=frozenset(tried))
-                prefill_worker = self._pick_prefill(job, tried_prefill)
+                prefill_worker = self._pick_prefill(job, tried_prefill, decode_worker)
             except NoHealthyWorker:
                 if last_error is None:
                     raise
@@ -182,15 +182,15 @@ class Generation:
         assert last_error is not None
         raise last_error
 
-    def _pick_prefill(self, job: GenerationJob, tried: set[str]) -> Worker:
+    def _pick_prefill(self, job: GenerationJob, tried: set[str], decode: Worker) -> Worker:
         """A prefill worker this request has not failed on, or any healthy one if it has
-        failed on all (a restarted worker keeps its address)."""
+        failed on all (a restarted worker keeps its address); on ``decode``'s GPU if it can."""
         try:
-            return self.workers.pick("prefill", job, exclude=frozenset(tried))
+            return self.workers.pick("prefill", job, exclude=frozenset(tried), near=decode)
         except NoHealthyWorker:
             if not tried:
                 raise
-            return self.workers.pick("prefill", job)
+            return self.workers.pick("prefill", job, near=decode)
 
     async def _prefill(self, pair: PairAttempt, remaining: Remaining) -> int:
         """Reserve and prefill on ``pair``; returns the first token. Raises RetryElsewhere for

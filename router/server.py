@@ -121,7 +121,8 @@ async def serve(config: RouterConfig) -> None:
                           "decode": config.decode_addrs + config.decode_discovery}, model,
                          config.health_interval_s, metrics, config.discovery_interval_s,
                          identity=identity, policy=config.router_policy,
-                         max_imbalance_tokens=config.cache_aware_max_imbalance_tokens)
+                         max_imbalance_tokens=config.cache_aware_max_imbalance_tokens,
+                         same_gpu_max_imbalance_tokens=config.same_gpu_max_imbalance_tokens)
     generation = Generation(config, model, tokenizer, workers, metrics)
     servicer = GenerationServicer(generation)
     server.add(generate_pb2_grpc.add_GenerationServiceServicer_to_server, servicer,

@@ -24,7 +24,7 @@ from pdserve.models.config import ModelConfig
 from pdserve.security import Identity
 from protos.pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc, worker_pb2
 from router.decode_stream import DecodeStream
-from router.policies import CacheAware, make_policy
+from router.policies import CacheAware, make_policy, prefer_same_gpu
 
 if TYPE_CHECKING:
     from router.validation import GenerationJob
@@ -74,10 +74,12 @@ class WorkerPool:
     def __init__(self, sources: dict[str, list[str]], model: ModelConfig, interval_s: float,
                  metrics: RouterMetrics | None = None, discovery_interval_s: float = 5.0,
                  resolver: Resolver = resolve_dns, identity: Identity | None = None,
-                 policy: str = "round_robin", max_imbalance_tokens: int = 16384) -> None:
+                 policy: str = "round_robin", max_imbalance_tokens: int = 16384,
+                 same_gpu_max_imbalance_tokens: int = -1) -> None:
         self.model = model
         self.policies = {role: make_policy(policy, role, max_imbalance_tokens)
                          for role in ("prefill", "decode")}
+        self.same_gpu_max_imbalance_tokens = same_gpu_max_imbalance_tokens
         self.identity = identity
         self.interval_s = interval_s
         self.discovery_interval_s = discovery_interval_s
@@ -106,15 +108,19 @@ class WorkerPool:
     def ready(self) -> bool:
         return bool(self.healthy("prefill")) and bool(self.healthy("decode"))
 
-    def pick(self, role: str, job: GenerationJob,
-             exclude: frozenset[str] = frozenset()) -> Worker:
-        """The healthy worker of ``role`` the policy picks for ``job``."""
+    def pick(self, role: str, job: GenerationJob, exclude: frozenset[str] = frozenset(),
+             near: Worker | None = None) -> Worker:
+        """The healthy worker of ``role`` the policy picks for ``job``; for a prefill worker
+        with ``near`` (the request's decode worker), one on its GPU where that is not too busy."""
         candidates = [w for w in self.healthy(role) if w.address not in exclude]
         if not candidates:
             known = ", ".join(f"{w.address} ({w.problem})" for w in self.workers[role]) or "none"
             raise NoHealthyWorker(f"no healthy {role} worker (known: {known})")
         policy = self.policies[role]
         worker, reason = policy.choose(candidates, job)
+        if near is not None and self.same_gpu_max_imbalance_tokens >= 0:
+            worker, reason = prefer_same_gpu(policy, candidates, job, near, (worker, reason),
+                                             self.same_gpu_max_imbalance_tokens)
         policy.sent(worker, job)
         if self.metrics:
             self.metrics.decisions.labels(role, policy.name, reason).inc()

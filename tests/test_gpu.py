@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import random
+import re
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -433,18 +435,22 @@ def test_up_with_prefill_and_decode_on_their_own_gpus(capfd):
     _assert_no_ipc_mapping_left(capfd)
 
 
-def test_up_with_both_roles_on_each_of_two_gpus(capfd):
+@pytest.mark.parametrize("pairs", ["across_gpus", "same_gpu"])
+def test_up_with_both_roles_on_each_of_two_gpus(pairs, capfd):
     """The layout that served fastest on two GPUs (`--prefill-devices cuda:0,cuda:1
     --decode-devices cuda:0,cuda:1`): a prefill and a decode worker on each GPU, one per
     listed device without counts. Decode is listed the other way round here and requests go in
-    turn, so each prefill worker hands off to the other GPU's decode worker (peer copies, both
-    directions); a burst gives the reference's tokens, and every page comes back."""
+    turn. Without the router's same-GPU preference each prefill worker hands off to the other
+    GPU's decode worker (peer copies, both directions); with it (the default) the router moves
+    those prefills to the decode worker's GPU. Either way a burst gives the reference's tokens,
+    and every page comes back."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs a second GPU")
+    preference = ["--same-gpu-max-imbalance-tokens", "-1"] if pairs == "across_gpus" else []
     cluster = start_cluster(["--model", "small", "--page-size", "16", "--num-pages", "4096",
                              "--prefill-devices", "cuda:0,cuda:1",
                              "--decode-devices", "cuda:1,cuda:0",
-                             "--router-policy", "round_robin"])
+                             "--router-policy", "round_robin", *preference])
     reference = ModelRunner(EngineConfig(model="small", page_size=16, num_pages=1024,
                                          attention_backend="torch"), "prefill")
     rng = random.Random(12)
@@ -458,6 +464,9 @@ def test_up_with_both_roles_on_each_of_two_gpus(capfd):
     try:
         assert [cluster.worker_info("prefill", i).device for i in (0, 1)] == ["cuda:0", "cuda:1"]
         assert [cluster.worker_info("decode", i).device for i in (0, 1)] == ["cuda:1", "cuda:0"]
+        gpus = [cluster.worker_info(role, i).gpu_uuid for role in ("prefill", "decode")
+                for i in (0, 1)]
+        assert all(gpus) and gpus[0] == gpus[3] and gpus[1] == gpus[2] and gpus[0] != gpus[1]
         with ThreadPoolExecutor(len(prompts)) as pool:
             outputs = list(pool.map(run, prompts))
         for prompt, got in zip(prompts, outputs):
@@ -468,6 +477,17 @@ def test_up_with_both_roles_on_each_of_two_gpus(capfd):
             assert list(prefill.kv_transfer_engines) == ["cuda_ipc"] and pages_at_rest(prefill)
             decode = cluster.worker_info("decode", i)
             assert decode.free_pages == decode.total_pages
+        text = urllib.request.urlopen(cluster.metrics_urls["router0"], timeout=10).read().decode()
+        reasons = {}
+        for labels, value in re.findall(r"pdserve_router_decisions_total\{([^}]*)\} (\S+)", text):
+            label = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+            if label["target_role"] == "prefill":
+                reasons[label["reason"]] = float(value)
+        if pairs == "same_gpu":   # every turn that fell on the other GPU was moved
+            assert reasons.get("same_gpu_as_decode", 0) > 0 and sum(reasons.values()) == 16
+            assert not reasons.get("same_gpu_worker_too_busy")
+        else:
+            assert reasons == {"turn": 16.0}
     finally:
         stop_cluster(cluster)
     _assert_no_ipc_mapping_left(capfd)

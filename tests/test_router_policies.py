@@ -6,19 +6,20 @@ from __future__ import annotations
 import re
 import urllib.request
 
+import pytest
 from conftest import free_port, generate, start_roles
 
 from pdserve.sampling_params import SamplingParams
 from protos.pdserve.v1 import generate_pb2, worker_pb2
-from router.policies import CacheAware, LeastLoaded, RoundRobin, make_policy
+from router.policies import CacheAware, LeastLoaded, RoundRobin, make_policy, prefer_same_gpu
 from router.validation import GenerationJob
-from router.workers import Worker
+from router.workers import Worker, WorkerPool
 
 
 def _worker(role: str, address: str, free_pages: int = 1000, running: int = 0,
-            queued_tokens: int = 0) -> Worker:
+            queued_tokens: int = 0, gpu: str = "") -> Worker:
     info = worker_pb2.WorkerInfo(role=role, free_pages=free_pages, running_requests=running,
-                                 queued_tokens=queued_tokens,
+                                 queued_tokens=queued_tokens, gpu_uuid=gpu,
                                  layout=worker_pb2.KVLayout(page_size=4))
     return Worker(role, address, address, channel=None, stub=None, healthy=True, info=info)
 
@@ -79,6 +80,68 @@ def test_a_too_busy_prefix_holder_is_passed_over():
     assert worker.address == "p1" and reason == "cached_prefix_worker_too_busy"
 
 
+def _pool(workers: list[Worker], policy: str, same_gpu_max_imbalance_tokens: int) -> WorkerPool:
+    pool = WorkerPool({}, model=None, interval_s=1.0, policy=policy,
+                      max_imbalance_tokens=10_000,
+                      same_gpu_max_imbalance_tokens=same_gpu_max_imbalance_tokens)
+    for worker in workers:
+        pool.workers[worker.role].append(worker)
+    return pool
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "cache_aware"])
+def test_prefill_goes_to_the_decode_workers_gpu(policy):
+    """Both roles on each of two GPUs: every request is prefilled on its decode worker's GPU
+    (the KV never leaves it), whatever the policy, and both GPUs share the burst; without the
+    preference (negative) the policy pairs them apart. Workers off CUDA report no GPU, and
+    pair as the policy says."""
+    workers = [_worker(role, f"{role[0]}{gpu}", gpu=f"GPU-{gpu}")   # decode listed 1, 0
+               for role, gpus in (("prefill", (0, 1)), ("decode", (1, 0))) for gpu in gpus]
+    for preference in (16384, -1):
+        pool = _pool(workers, policy, preference)
+        pairs = []
+        for i in range(8):
+            job = _job(list(range(i * 100, i * 100 + 50 + i)))
+            decode = pool.pick("decode", job)
+            prefill = pool.pick("prefill", job, near=decode)
+            pairs.append((prefill.address[1], decode.address[1]))
+        if preference >= 0:
+            assert all(p == d for p, d in pairs) and len({d for _, d in pairs}) == 2, pairs
+        else:
+            assert any(p != d for p, d in pairs), pairs
+        for worker in workers:
+            worker.sent_requests = worker.sent_pages = worker.sent_tokens = 0
+    cpu = [_worker(role, f"{role[0]}{i}") for role in ("prefill", "decode") for i in (0, 1)]
+    pool = _pool(cpu, policy, 16384)
+    picks = {pool.pick("prefill", _job([i]), near=cpu[2 + i % 2]).address for i in range(4)}
+    assert picks == {"p0", "p1"}
+
+
+def test_a_too_busy_prefill_worker_on_the_decode_gpu_is_passed_over():
+    near = _worker("prefill", "near", queued_tokens=5000, gpu="GPU-0")
+    far = _worker("prefill", "far", queued_tokens=100, gpu="GPU-1")
+    decode = _worker("decode", "d", gpu="GPU-0")
+    policy = LeastLoaded()
+    chosen = policy.choose([near, far], _job([1, 2, 3]))
+    assert chosen[0] is far
+    assert prefer_same_gpu(policy, [near, far], _job([1, 2, 3]), decode, chosen,
+                           max_imbalance_tokens=4000) == (far, "same_gpu_worker_too_busy")
+    assert prefer_same_gpu(policy, [near, far], _job([1, 2, 3]), decode, chosen,
+                           max_imbalance_tokens=5000) == (near, "same_gpu_as_decode")
+
+
+def test_a_cached_prefix_on_another_gpu_outweighs_the_decode_gpu():
+    near, far = _worker("prefill", "near", gpu="GPU-0"), _worker("prefill", "far", gpu="GPU-1")
+    decode = _worker("decode", "d", gpu="GPU-0")
+    policy = CacheAware(max_imbalance_tokens=10_000)
+    prompt = list(range(100))
+    policy.sent(far, _job(prompt))
+    chosen = policy.choose([near, far], _job(prompt + [7]))
+    assert chosen == (far, "cached_prefix")
+    assert prefer_same_gpu(policy, [near, far], _job(prompt + [7]), decode, chosen,
+                           max_imbalance_tokens=10_000) == chosen
+
+
 def test_policy_names():
     assert isinstance(make_policy("round_robin", "decode", 0), RoundRobin)
     assert isinstance(make_policy("cache_aware", "prefill", 0), CacheAware)
@@ -124,7 +187,6 @@ def test_requests_sharing_a_prefix_reuse_one_prefill_workers_cache():
                           worker_flags={n: ["--metrics-port", str(p)] for n, p in ports.items()})
     try:
         stub = cluster.stub()
-        prompt_tokens = {}
         for group in range(4):
             prefix = [(group * 61 + i) % 251 + 1 for i in range(64)]
             for member in range(4):

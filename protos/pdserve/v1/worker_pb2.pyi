@@ -59,7 +59,7 @@ class GetWorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("role", "worker_id", "layout", "vocab_size", "max_model_len", "total_pages", "free_pages", "running_requests", "queued_requests", "reservations", "attention_backend", "kv_transfer_engines", "fenced_pages", "leaked_pages", "device", "queued_tokens", "cached_pages", "evictable_pages")
+    __slots__ = ("role", "worker_id", "layout", "vocab_size", "max_model_len", "total_pages", "free_pages", "running_requests", "queued_requests", "reservations", "attention_backend", "kv_transfer_engines", "fenced_pages", "leaked_pages", "device", "queued_tokens", "cached_pages", "evictable_pages", "gpu_uuid")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class WorkerInfo(_message.Message):
     QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
     EVICTABLE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     role: str
     worker_id: str
     layout: KVLayout
@@ -96,4 +97,5 @@ class WorkerInfo(_message.Message):
     queued_tokens: int
     cached_pages: int
     evictable_pages: int
-    def __init__(self, role: _Optional[str] = ..., worker_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., total_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., reservations: _Optional[int] = ..., attention_backend: _Optional[str] = ..., kv_transfer_engines: _Optional[_Iterable[str]] = ..., fenced_pages: _Optional[int] = ..., leaked_pages: _Optional[int] = ..., device: _Optional[str] = ..., queued_tokens: _Optional[int] = ..., cached_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ...) -> None: ...
+    gpu_uuid: str
+    def __init__(self, role: _Optional[str] = ..., worker_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., total_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., reservations: _Optional[int] = ..., attention_backend: _Optional[str] = ..., kv_transfer_engines: _Optional[_Iterable[str]] = ..., fenced_pages: _Optional[int] = ..., leaked_pages: _Optional[int] = ..., device: _Optional[str] = ..., queued_tokens: _Optional[int] = ..., cached_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ..., gpu_uuid: _Optional[str] = ...) -> None: ...
