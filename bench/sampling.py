@@ -1,8 +1,9 @@
 """Sampling alone: the Gumbel-argmax kernels (`pdserve/engine/sampling_kernel.py`) at decode batch
-sizes, with each row's vocabulary split over programs (what the server runs) and with one program
-per row (what it ran before 2026-11-25), against the time to read the logits once at the GPU's
-copy bandwidth. Every row samples (temperature 0.6), the costlier branch; the logits are float32,
-as the decode graphs hand them over.
+sizes: bfloat16 logits with each row's vocabulary split over programs (what the server runs since
+2026-11-25) against float32 logits with one program per row (what it ran before), and the time to
+read the bfloat16 logits once at the GPU's copy bandwidth. Timed inside CUDA graphs (GPU time: a
+decode step's host work runs ahead of the GPU). Every row samples (temperature 0.6), the costlier
+branch.
 
     python bench/sampling.py --vocab 151936 --batch-sizes 1,16,64,128,256 --out sampling.json
 """
@@ -28,6 +29,22 @@ from pdserve.engine.sampling_kernel import (  # noqa: E402
 from pdserve.sampling_params import SampleRow, SamplingParams  # noqa: E402
 
 
+def graph_time_ms(fn, calls: int = 20) -> float:
+    """GPU milliseconds of one ``fn()``, from a CUDA graph of ``calls`` of them: launched one by
+    one, Triton's host-side launches (tens of microseconds) would be timed instead."""
+    fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return cuda_time_ms(graph.replay, iters=10) / calls
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vocab", type=int, default=151936)
@@ -42,18 +59,20 @@ def main() -> int:
     programs = PROGRAMS_PER_SM * _sm_count(device)
     results = []
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
-        logits = torch.randn(batch, args.vocab, device=device) * 3
+        logits = (torch.randn(batch, args.vocab, device=device) * 3).bfloat16()
+        wide = logits.float()
         rows = [SampleRow(SamplingParams(temperature=0.6, seed=i), output_index=i)
                 for i in range(batch)]
         st = SamplingTensors.from_rows(rows, device)
         call = (logits, st.temperature, st.seed_lo, st.seed_hi, st.output_index)
-        split_ms = cuda_time_ms(lambda: gumbel_argmax_cuda(*call), iters=50)
-        per_row_ms = cuda_time_ms(lambda: gumbel_argmax_cuda(*call, programs=batch), iters=50)
-        assert torch.equal(gumbel_argmax_cuda(*call), gumbel_argmax_cuda(*call, programs=batch))
+        split_ms = graph_time_ms(lambda: gumbel_argmax_cuda(*call))
+        before = (wide, *call[1:])
+        per_row_ms = graph_time_ms(lambda: gumbel_argmax_cuda(*before, programs=batch))
+        assert torch.equal(gumbel_argmax_cuda(*call), gumbel_argmax_cuda(*before, programs=batch))
         floor_ms = logits.numel() * logits.element_size() / (bandwidth / 2) * 1e3
         results.append({"batch": batch, "parts": split(batch, args.vocab, programs)[0],
-                        "split_ms": round(split_ms, 4), "one_program_per_row_ms":
-                        round(per_row_ms, 4), "read_once_floor_ms": round(floor_ms, 4)})
+                        "split_bf16_ms": round(split_ms, 4),
+                        "one_program_per_row_fp32_ms": round(per_row_ms, 4), "read_once_floor_ms": round(floor_ms, 4)})
         print(results[-1])
     write_results(args.out, "sampling", {"vocab": args.vocab, "programs": programs,
                                          "copy_bandwidth_gb_s": round(bandwidth / 1e9),
