@@ -12,6 +12,9 @@ instead of piling onto the worker that looked emptiest at the last one.
   saw which prompt prefixes (hashed page-sized blocks of token ids, least recently used evicted)
   and sends a prompt where its longest prefix was computed, unless that worker's waiting tokens
   exceed the least loaded one's by more than ``--cache-aware-max-imbalance-tokens``.
+
+Whatever the policy, a request's prefill worker is then moved to its decode worker's GPU where
+one is there (`prefer_same_gpu`), so that the KV stays on the GPU.
 """
 from __future__ import annotations
 
