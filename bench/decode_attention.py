@@ -1,5 +1,7 @@
 """Decode attention kernels side by side on one paged KV cache: FlashInfer's decode kernel on CUDA
-cores and on tensor cores, and FlashAttention-3 (sgl_kernel), each replayed in a CUDA graph.
+cores and on tensor cores, the same in a CUDA-graph wrapper as decode's graphs run it (split KV
+forced where the batch leaves SMs free, and turned off), and FlashAttention-3 (sgl_kernel), each
+replayed in a CUDA graph.
 
     python bench/decode_attention.py --heads 16:8,32:8 --batch-sizes 64,128,256
 
@@ -47,6 +49,19 @@ def kernels(num_heads: int, num_kv_heads: int, lens: list[int], page_size: int) 
         wrapper.plan(indptr.to(device), page_ids, last.to(device), num_heads, num_kv_heads,
                      HEAD_DIM, page_size, q_data_type=dtype, kv_data_type=dtype)
         calls["flashinfer_tensor_cores" if tensor_cores else "flashinfer"] = (
+            lambda w=wrapper: w.run(q, (k, v)))
+    # As the decode graphs run it: a CUDA-graph wrapper per batch size, which FlashInfer always
+    # plans with split KV (and a merge kernel) where the batch's heads leave SMs free, and the
+    # same with split KV turned off.
+    for disable_split in (False, True):
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            workspace, "NHD", use_cuda_graph=True,
+            paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=device),
+            paged_kv_indices_buffer=torch.zeros(total, dtype=torch.int32, device=device),
+            paged_kv_last_page_len_buffer=torch.zeros(bs, dtype=torch.int32, device=device))
+        wrapper.plan(indptr, page_ids, last, num_heads, num_kv_heads, HEAD_DIM, page_size,
+                     q_data_type=dtype, kv_data_type=dtype, disable_split_kv=disable_split)
+        calls["flashinfer_graph_no_split" if disable_split else "flashinfer_graph"] = (
             lambda w=wrapper: w.run(q, (k, v)))
     table = torch.zeros(bs, max(pages_per_seq), dtype=torch.int32, device=device)
     for row in range(bs):

@@ -49,6 +49,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--batch-sizes", default="1,16,64,128,256")
+    parser.add_argument("--programs-per-sm", default=str(PROGRAMS_PER_SM),
+                        help="split settings to time besides each other, comma-separated "
+                        f"(the server's: {PROGRAMS_PER_SM})")
     parser.add_argument("--out", default="sampling.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -65,14 +68,21 @@ def main() -> int:
                 for i in range(batch)]
         st = SamplingTensors.from_rows(rows, device)
         call = (logits, st.temperature, st.seed_lo, st.seed_hi, st.output_index)
-        split_ms = graph_time_ms(lambda: gumbel_argmax_cuda(*call))
+        split_ms = {}
+        settings = {PROGRAMS_PER_SM, *(int(p) for p in args.programs_per_sm.split(","))}
+        for per_sm in sorted(settings):
+            split_ms[per_sm] = graph_time_ms(
+                lambda n=per_sm * _sm_count(device): gumbel_argmax_cuda(*call, programs=n))
         before = (wide, *call[1:])
         per_row_ms = graph_time_ms(lambda: gumbel_argmax_cuda(*before, programs=batch))
         assert torch.equal(gumbel_argmax_cuda(*call), gumbel_argmax_cuda(*before, programs=batch))
         floor_ms = logits.numel() * logits.element_size() / (bandwidth / 2) * 1e3
         results.append({"batch": batch, "parts": split(batch, args.vocab, programs)[0],
-                        "split_bf16_ms": round(split_ms, 4),
-                        "one_program_per_row_fp32_ms": round(per_row_ms, 4), "read_once_floor_ms": round(floor_ms, 4)})
+                        "split_bf16_ms": round(split_ms[PROGRAMS_PER_SM], 4),
+                        "split_bf16_ms_by_programs_per_sm": {
+                            p: round(ms, 4) for p, ms in split_ms.items()},
+                        "one_program_per_row_fp32_ms": round(per_row_ms, 4),
+                        "read_once_floor_ms": round(floor_ms, 4)})
         print(results[-1])
     write_results(args.out, "sampling", {"vocab": args.vocab, "programs": programs,
                                          "copy_bandwidth_gb_s": round(bandwidth / 1e9),

@@ -1,9 +1,10 @@
 """`fi`: FlashInfer over the paged pool (NHD); the decode backend, and prefill off Hopper.
 
-Decode uses BatchDecodeWithPagedKVCacheWrapper (tensor cores when a KV head serves 4+ query
-heads), prefill BatchPrefillWithPagedKVCacheWrapper. ``plan()`` runs once per step on host-side
-metadata; ``run()`` once per layer. For CUDA graphs each captured batch size has its own decode
-wrapper with fixed device buffers, re-planned before every replay.
+Decode uses BatchDecodeWithPagedKVCacheWrapper (on tensor cores when a KV head serves 4+ query
+heads, or the batch has TENSOR_CORE_MIN_BATCH+ rows), prefill
+BatchPrefillWithPagedKVCacheWrapper. ``plan()`` runs once per step on host-side metadata;
+``run()`` once per layer. For CUDA graphs each captured batch size has its own decode wrapper
+with fixed device buffers, re-planned before every replay.
 """
 from __future__ import annotations
 
@@ -19,6 +20,14 @@ from pdserve.kvcache.pool import KVPool
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 WORKSPACE_BYTES = 128 << 20
+# Decode on tensor cores where a KV head serves this many query heads, or the batch has this many
+# rows. Measured on an H200 (`bench/decode_attention.py`, one layer, contexts drawn from
+# 100..2048; bench/reference/h200/decode-attention): with 2 query heads per KV head
+# (qwen3-0.6b) the CUDA-core kernel took 26.4 against 29.8 us at batch 16 and 45.0 against 45.9 at
+# 32, but 86.8 against 84.9 at 64, 195 against 146 at 128 and 332 against 281 at 256; with 4
+# (llama3-8b) tensor cores won at every batch (77.9 against 131 us at 64).
+TENSOR_CORE_MIN_GROUP = 4
+TENSOR_CORE_MIN_BATCH = 64
 
 
 class FlashInferBackend(AttentionBackend):
@@ -31,13 +40,20 @@ class FlashInferBackend(AttentionBackend):
         self._fi = flashinfer
         device = pool.tensor.device
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.use_tensor_cores = num_heads // pool.layout.num_kv_heads >= 4
-        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores)
+        self.group = num_heads // pool.layout.num_kv_heads
+        # Eager decode steps (past the largest graph, or without graphs), by tensor cores or not.
+        self.decode_wrappers = {
+            tensor_cores: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_tensor_cores=tensor_cores)
+            for tensor_cores in {self.tensor_cores(1), True}}
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.graph_wrappers: dict[int, Any] = {}
         self._planned = torch.cuda.Event()
         self._planned.record()
+
+    def tensor_cores(self, batch_size: int) -> bool:
+        """Whether a decode step of ``batch_size`` rows runs on tensor cores."""
+        return self.group >= TENSOR_CORE_MIN_GROUP or batch_size >= TENSOR_CORE_MIN_BATCH
 
     def _paged_kv(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(indptr, page indices, last page lengths) as plan() takes them: indptr and last
@@ -75,8 +91,9 @@ class FlashInferBackend(AttentionBackend):
 
     def prepare_metadata(self, batch: ForwardBatch) -> None:
         if batch.is_decode:
-            self._plan_decode(self.decode_wrapper, batch)
-            batch.attn_metadata = self.decode_wrapper
+            wrapper = self.decode_wrappers[self.tensor_cores(batch.batch_size)]
+            self._plan_decode(wrapper, batch)
+            batch.attn_metadata = wrapper
             return
         indptr, indices, last = self._paged_kv(batch)
         dtype = self.pool.tensor.dtype
@@ -99,7 +116,7 @@ class FlashInferBackend(AttentionBackend):
             # A step never references more pages than the pool has, plus one per padding row.
             max_pages = min(bs * -(-max_seq_len // self.pool.page_size), self.pool.num_pages + bs)
             self.graph_wrappers[bs] = self._fi.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
+                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.tensor_cores(bs),
                 paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=device),
                 paged_kv_indices_buffer=torch.zeros(max_pages, dtype=torch.int32, device=device),
                 paged_kv_last_page_len_buffer=torch.zeros(bs, dtype=torch.int32, device=device))
