@@ -22,7 +22,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 WORKSPACE_BYTES = 128 << 20
 # Decode on tensor cores where a KV head serves this many query heads, or the batch has this many
 # rows. Measured on an H200 (`bench/decode_attention.py`, one layer, contexts drawn from
-# 100..2048; bench/reference/h200/decode-attention): with 2 query heads per KV head
+# 100..2048; bench/reference/h200/decode-tensor-cores): with 2 query heads per KV head
 # (qwen3-0.6b) the CUDA-core kernel took 26.4 against 29.8 us at batch 16 and 45.0 against 45.9 at
 # 32, but 86.8 against 84.9 at 64, 195 against 146 at 128 and 332 against 281 at 256; with 4
 # (llama3-8b) tensor cores won at every batch (77.9 against 131 us at 64).
