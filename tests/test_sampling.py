@@ -59,6 +59,24 @@ def test_repetition_penalty_discourages_seen_tokens():
     assert sample(logits, [SampleRow(params, 0, history=[0])]).item() == 1
 
 
+def test_model_dtype_logits_sample_as_their_float32_copy():
+    """Decode's CUDA graphs hand the sampler the model's bfloat16 logits: every kind of row
+    draws from them what it draws from their float32 copy (widening is exact)."""
+    logits = (torch.randn(8, 300) * 3).bfloat16()
+    rows = [SampleRow(SamplingParams(), 0, history=[]),
+            SampleRow(SamplingParams(temperature=0.7, seed=1), 3, history=[]),
+            SampleRow(SamplingParams(temperature=1.0, top_k=5, seed=2), 1, history=[]),
+            SampleRow(SamplingParams(temperature=0.9, top_p=0.8, seed=3), 2, history=[]),
+            SampleRow(SamplingParams(temperature=1.2, min_p=0.1, seed=4), 0, history=[]),
+            SampleRow(SamplingParams(repetition_penalty=1.5), 5, history=[1, 7, 7]),
+            SampleRow(SamplingParams(temperature=0.5, seed=5, repetition_penalty=1.2), 4,
+                      history=[2]),
+            SampleRow(SamplingParams(temperature=2.0, seed=6), 9, history=[])]
+    for batch in (rows[:1], rows[:2], rows):   # all greedy, temperature only, everything
+        n = len(batch)
+        assert torch.equal(sample(logits[:n], batch), sample(logits[:n].float(), batch))
+
+
 def test_same_seed_same_output_alone_or_batched(cluster):
     stub = cluster.stub()
     sampling = generate_pb2.SamplingParams(max_new_tokens=24, temperature=1.0, top_p=0.95,
