@@ -50,12 +50,17 @@ def _keep_to(host: str) -> None:
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 
-def _agent(role: str, host: str) -> Any:
+def _agent(role: str, host: str, progress_thread: bool) -> Any:
+    """A NIXL agent with the UCX backend. Its progress thread polls without sleeping (NIXL's
+    Python API sets no delay), a core's worth of CPU for as long as the process lives: only a
+    side that waits passively needs it (decode: UCX answers connection set-up, and moves data
+    where it emulates writes, only when progressed); the sender progresses its own transfers
+    while it polls them."""
     _keep_to(host)
     api = nixl_api()
     name = f"pdserve-{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    agent = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
-    return agent
+    return api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=progress_thread,
+                                                      backends=["UCX"]))
 
 
 def _memory(pool: KVPool) -> tuple[str, int]:
@@ -85,7 +90,7 @@ class NixlReceiver(Receiver):
 
     def __init__(self, pool: KVPool, sink: TransferSink, host: str = "") -> None:
         self.pool = pool
-        self.agent = _agent("decode", host)
+        self.agent = _agent("decode", host, progress_thread=True)
         self.agent.register_memory(pool.tensor)
 
     def metadata(self) -> bytes:
@@ -141,7 +146,7 @@ class NixlSender(LayerwiseSender):
         self.pool = pool
         # Every call into the agent happens on this one thread.
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="nixl")
-        self.agent = self.thread.submit(_agent, "prefill", host).result()
+        self.agent = self.thread.submit(_agent, "prefill", host, False).result()
         self.thread.submit(self.agent.register_memory, pool.tensor).result()
 
     async def connect(self, peer: Peer) -> RemoteAgent:

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -140,7 +143,16 @@ def test_nixl_engine_moves_random_pages_bit_exactly():
 
 
 @needs_nixl
+def _cpu_s(pid: int) -> float:
+    """CPU time (user + system) process ``pid`` has used, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def test_cluster_with_the_nixl_engine_matches_single_process(tiny_runner):
+    """Tokens equal the single process's over NIXL; afterwards the idle prefill worker uses
+    next to no CPU (its agent has no progress thread: with one, NIXL's UCX thread polled
+    without sleeping, about half a core for as long as the process lived)."""
     cluster = start_roles(["prefill", "decode"], decode_flags=["--kv-transfer", "nixl"])
     try:
         prompts = [list(b"nixl moves these pages"), [5] * 150]
@@ -148,6 +160,10 @@ def test_cluster_with_the_nixl_engine_matches_single_process(tiny_runner):
             ids = generate(cluster.stub(), token_ids=generate_pb2.TokenIds(ids=prompt),
                            sampling=generate_pb2.SamplingParams(max_new_tokens=10, ignore_eos=True))[0]
             assert ids == local.generate(tiny_runner, prompt, SamplingParams(max_new_tokens=10))
+        prefill = cluster.processes["prefill0"].pid
+        before = _cpu_s(prefill)
+        time.sleep(2.0)
+        assert _cpu_s(prefill) - before < 0.5
     finally:
         cluster.stop()
 
