@@ -51,11 +51,11 @@ def _keep_to(host: str) -> None:
 
 
 def _agent(role: str, host: str, progress_thread: bool) -> Any:
-    """A NIXL agent with the UCX backend. Its progress thread polls without sleeping (NIXL's
-    Python API sets no delay), a core's worth of CPU for as long as the process lives: only a
-    side that waits passively needs it (decode: UCX answers connection set-up, and moves data
-    where it emulates writes, only when progressed); the sender progresses its own transfers
-    while it polls them."""
+    """A NIXL agent with the UCX backend. Its progress thread polls without sleeping once the
+    agent has connected (NIXL's Python API sets no delay): about half a core for as long as the
+    process lives. Only a side that waits passively needs it (decode: UCX answers connection
+    set-up, and moves data where it emulates writes, only when progressed); the sender
+    progresses its own transfers while it polls them."""
     _keep_to(host)
     api = nixl_api()
     name = f"pdserve-{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
