@@ -155,13 +155,13 @@ def gpu_of(worker: Worker) -> str:
     return worker.info.gpu_uuid if worker.info else ""
 
 
-def prefer_same_gpu(policy: RoundRobin | LeastLoaded, candidates: Sequence[Worker],
-                    job: GenerationJob, decode: Worker, chosen: tuple[Worker, str],
+def prefer_same_gpu(candidates: Sequence[Worker], decode: Worker, chosen: tuple[Worker, str],
                     max_imbalance_tokens: int) -> tuple[Worker, str]:
     """The prefill worker for a request whose decode worker is ``decode``, given the policy's
-    own choice: the policy's pick among the prefill workers on the decode worker's GPU, unless
-    that one has more than ``max_imbalance_tokens`` prompt tokens waiting beyond the policy's
-    choice, or the policy chose a worker holding the prompt's prefix.
+    own choice: the least loaded prefill worker on the decode worker's GPU, unless that one has
+    more than ``max_imbalance_tokens`` prompt tokens waiting beyond the policy's choice, or the
+    policy chose a worker holding the prompt's prefix (no other worker then holds one it could
+    use).
 
     On a GPU both roles share, the KV then moves within the GPU. Paired across GPUs, the prefill
     process also launches the copy's last kernel on the decode worker's GPU, a third process
@@ -174,7 +174,7 @@ def prefer_same_gpu(policy: RoundRobin | LeastLoaded, candidates: Sequence[Worke
     same_gpu = [w for w in candidates if gpu_of(w) == gpu]
     if not same_gpu:
         return chosen
-    nearby, _ = policy.choose(same_gpu, job)
+    nearby = min(same_gpu, key=prefill_load)
     if prefill_load(nearby) - prefill_load(worker) > max_imbalance_tokens:
         return worker, "same_gpu_worker_too_busy"
     return nearby, "same_gpu_as_decode"

@@ -119,7 +119,7 @@ class WorkerPool:
         policy = self.policies[role]
         worker, reason = policy.choose(candidates, job)
         if near is not None and self.same_gpu_max_imbalance_tokens >= 0:
-            worker, reason = prefer_same_gpu(policy, candidates, job, near, (worker, reason),
+            worker, reason = prefer_same_gpu(candidates, near, (worker, reason),
                                              self.same_gpu_max_imbalance_tokens)
         policy.sent(worker, job)
         if self.metrics:

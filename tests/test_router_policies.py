@@ -124,9 +124,9 @@ def test_a_too_busy_prefill_worker_on_the_decode_gpu_is_passed_over():
     policy = LeastLoaded()
     chosen = policy.choose([near, far], _job([1, 2, 3]))
     assert chosen[0] is far
-    assert prefer_same_gpu(policy, [near, far], _job([1, 2, 3]), decode, chosen,
+    assert prefer_same_gpu([near, far], decode, chosen,
                            max_imbalance_tokens=4000) == (far, "same_gpu_worker_too_busy")
-    assert prefer_same_gpu(policy, [near, far], _job([1, 2, 3]), decode, chosen,
+    assert prefer_same_gpu([near, far], decode, chosen,
                            max_imbalance_tokens=5000) == (near, "same_gpu_as_decode")
 
 
@@ -138,7 +138,7 @@ def test_a_cached_prefix_on_another_gpu_outweighs_the_decode_gpu():
     policy.sent(far, _job(prompt))
     chosen = policy.choose([near, far], _job(prompt + [7]))
     assert chosen == (far, "cached_prefix")
-    assert prefer_same_gpu(policy, [near, far], _job(prompt + [7]), decode, chosen,
+    assert prefer_same_gpu([near, far], decode, chosen,
                            max_imbalance_tokens=10_000) == chosen
 
 

@@ -93,8 +93,7 @@ def _gumbel_argmax_pick(part_score, part_index, out, parts, MAX_PARTS: tl.conste
     valid = offsets < parts
     score = tl.load(part_score + row * parts + offsets, mask=valid, other=float("-inf"))
     index = tl.load(part_index + row * parts + offsets, mask=valid, other=2147483647)
-    top = tl.max(score, axis=0)
-    tl.store(out + row, tl.min(tl.where(score == top, index, 2147483647), axis=0).to(tl.int64))
+    tl.store(out + row, _first_argmax(score, index).to(tl.int64))
 
 
 def split(rows: int, vocab: int, programs: int) -> tuple[int, int]:
