@@ -17,6 +17,10 @@ decode stepped, yielded or waited.
     python bench/throughput.py --model /tmp/q06 --api both   # gRPC, then the OpenAI HTTP API
                                                              # (SSE) on the same cluster
     python bench/throughput.py --model /tmp/q06 --up-args "--routers 4" --timeline 0.1
+    python bench/throughput.py --model /tmp/q06 --up-args "--stream-interval 4"   # a message
+                                                             # every 4 tokens
+    python bench/throughput.py --model /tmp/q06 --no-stream  # one message a request, as
+                                                             # mini-sglang's offline bench
 """
 from __future__ import annotations
 
@@ -54,7 +58,8 @@ def workload(num_seqs: int, max_input: int, max_output: int) -> tuple[list[list[
 
 
 async def _run_requests(router: str, jobs: list[tuple[list[int], int]], temperature: float,
-                        start: Callable[[], float], connections: int = 1) -> list[dict]:
+                        start: Callable[[], float], connections: int = 1,
+                        stream: bool = True) -> list[dict]:
     """``jobs`` over ``connections`` connections of their own (as that many users would
     come), each request on the next in turn."""
     import grpc
@@ -71,7 +76,7 @@ async def _run_requests(router: str, jobs: list[tuple[list[int], int]], temperat
 
         async def one(stub, index: int, prompt: list[int], max_new: int) -> dict:  # noqa: ANN001
             request = generate_pb2.GenerateRequest(
-                token_ids=generate_pb2.TokenIds(ids=prompt), stream=True,
+                token_ids=generate_pb2.TokenIds(ids=prompt), stream=stream,
                 sampling=generate_pb2.SamplingParams(max_new_tokens=max_new, ignore_eos=True,
                                                      temperature=temperature, seed=index))
             started = time.time()
@@ -128,8 +133,8 @@ async def _run_http_requests(base_url: str, jobs: list[tuple[list[int], int]],
         return await asyncio.gather(*(one(i, p, n) for i, p, n in jobs))
 
 
-def _client(router: str, jobs: list, temperature: float, connections: int, ready,
-            results) -> None:
+def _client(router: str, jobs: list, temperature: float, connections: int, stream: bool,
+            ready, results) -> None:
     """One client process: connects, waits at ``ready`` until every client has connected (a
     spawned process takes seconds to import its modules), then sends all its requests at once.
     Its cyclic garbage collector is off from then on: a full collection of a client's heap took
@@ -145,22 +150,24 @@ def _client(router: str, jobs: list, temperature: float, connections: int, ready
     if router.startswith("http"):
         part = asyncio.run(_run_http_requests(router, jobs, temperature, start))
     else:
-        part = asyncio.run(_run_requests(router, jobs, temperature, start, connections))
+        part = asyncio.run(_run_requests(router, jobs, temperature, start, connections, stream))
     results.put(part)
 
 
 def run_clients(router: str, prompts: list[list[int]], outputs: list[int], temperature: float,
-                processes: int, connections: int = 1) -> tuple[list[dict], float, float]:
+                processes: int, connections: int = 1,
+                stream: bool = True) -> tuple[list[dict], float, float]:
     """``router``: a gRPC address, or the HTTP API's base URL (http://host:port/v1). Returns
     the results, the wall time (from the moment every client is connected and released to the
     last token) and that moment (time.time()). Each client process opens ``connections``
-    gRPC connections."""
+    gRPC connections; ``stream``: whether gRPC requests stream their tokens."""
     jobs = [(i, p, n) for i, (p, n) in enumerate(zip(prompts, outputs))]
     shares = [jobs[k::processes] for k in range(processes)]
     ctx = multiprocessing.get_context("spawn")
     ready, results = ctx.Barrier(processes + 1), ctx.Queue()
     clients = [ctx.Process(target=_client,
-                           args=(router, share, temperature, connections, ready, results))
+                           args=(router, share, temperature, connections, stream, ready,
+                                 results))
                for share in shares]
     for client in clients:
         client.start()
@@ -333,6 +340,9 @@ def main() -> None:
                         "on the same cluster, each with other first tokens (nothing for the "
                         "prefix cache); the JSON's figures are the median run's, with every "
                         "run's throughput beside them (one run varies by a few percent)")
+    parser.add_argument("--no-stream", action="store_true", help="gRPC requests with stream "
+                        "false: one message each, with every token (no TTFT or ITL then), as "
+                        "mini-sglang's offline bench takes its outputs")
     parser.add_argument("--label", default="", help="name of this configuration in the JSON")
     parser.add_argument("--shard", default="", metavar="K/N",
                         help="only requests K, K+N, K+2N, ... of the workload: the share one of N "
@@ -352,6 +362,8 @@ def main() -> None:
         shard = (k, n)
     if args.peer_json and not Path(args.peer_json).is_file():
         parser.error(f"--peer-json {args.peer_json}: no such file")
+    if args.no_stream and args.api != "grpc":
+        parser.error("--no-stream is for --api grpc")
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     if min(args.max_input, args.max_output) < 100:
@@ -426,7 +438,8 @@ def measure(args: argparse.Namespace, api: str, target: str, prompts: list[list[
                 else contextlib.nullcontext())
     with timeline:
         results, wall_s, started = run_clients(target, prompts, outputs, args.temperature,
-                                               args.clients, args.connections)
+                                               args.clients, args.connections,
+                                               not args.no_stream)
     after = scrape(decode_metrics) if decode_metrics else None
     router_cpu = [(cpu - cpu0, done - done0) for (cpu, done), (cpu0, done0)
                   in zip(router_usage(router_metrics), router_before)]
@@ -466,9 +479,12 @@ def _row(args: argparse.Namespace, api: str, results: list[dict], wall_s: float,
         "model": args.model, "seqs": len(results), "output_tokens": tokens,
         "output_tokens_expected": expected, "wall_s": round(wall_s, 2),
         "throughput_tok_s": round(tokens / wall_s, 1),
-        "ttft_ms": percentiles([(r["first"] - r["start"]) * 1e3 for r in results]),
-        "itl_ms": percentiles([(r["end"] - r["first"]) * 1e3 / max(r["tokens"] - 1, 1)
-                               for r in results]),
+        "stream": not args.no_stream,
+        # (a request that is not streamed has no first token before its last)
+        "ttft_ms": None if args.no_stream else percentiles(
+            [(r["first"] - r["start"]) * 1e3 for r in results]),
+        "itl_ms": None if args.no_stream else percentiles(
+            [(r["end"] - r["first"]) * 1e3 / max(r["tokens"] - 1, 1) for r in results]),
     }
     if before is not None and after is not None:
         delta = {k: after[k] - before[k] for k in after}

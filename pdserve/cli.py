@@ -112,11 +112,13 @@ def _preflight(command: str, config: Any) -> None:
         check_engine,
         check_kv_transfer,
         check_port,
+        check_router,
         check_server,
     )
 
     check_server(config.server)
     if command == "router":
+        check_router(config)
         check_port(config.server.host, config.http_port, "--http-port")
         return
     check_engine(config.engine)

@@ -186,6 +186,10 @@ class RouterConfig(ModelSource):
     discovery_interval_s: float = setting(5.0, "how often dns: sources are re-resolved")
     default_max_new_tokens: int = setting(16, "tokens generated when a request does not say")
     max_stop_strings: int = setting(16, "most stop strings a request may carry")
+    stream_interval: int = setting(
+        1, "tokens per streamed message after the first token (1: every token as it is "
+        "sampled; N: a message every N tokens, the last with what is left). Each message costs "
+        "the router CPU: larger values relay more tokens a second per router process")
     max_request_bytes: int = setting(8 << 20, "largest Generate request accepted, in bytes "
                                      "(refused before it is parsed: 8 MiB holds 4 MB of text or "
                                      "1M token ids)")

@@ -101,6 +101,7 @@ class ClusterPlan:
             check_kv_transfer,
             check_port,
             check_prefill,
+            check_router,
         )
 
         launcher = self.launcher
@@ -115,6 +116,7 @@ class ClusterPlan:
             check_device(self.device_of(role, index))
         check_kv_transfer(self.decode)
         check_prefill(self.prefill)
+        check_router(self.router)
         local = local_model(self.engine)
         source_config(self.engine, local)
         load_chat_template(self.router.chat_template, local)

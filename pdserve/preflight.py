@@ -6,7 +6,7 @@ import importlib.util
 import socket
 from pathlib import Path
 
-from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig, ServerConfig
+from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig, RouterConfig, ServerConfig
 from pdserve.errors import ConfigError
 from pdserve.profiling import parse_steps
 
@@ -101,6 +101,12 @@ def check_port(host: str, port: int, flag: str) -> None:
         except OSError as err:
             raise ConfigError(f"{flag} {port}: cannot listen on {host}:{port}: "
                               f"{err.strerror or err}") from err
+
+
+def check_router(config: RouterConfig) -> None:
+    if config.stream_interval < 1:
+        raise ConfigError(f"--stream-interval {config.stream_interval}: give the tokens per "
+                          "streamed message, 1 or more")
 
 
 def check_server(config: ServerConfig) -> None:

@@ -1,9 +1,9 @@
 """The router's one stream to each decode worker, shared by every request decoding there.
 
 Requests are started on the stream; the worker sends one message per step with the new tokens of
-every request that has some, and this object hands each request its own. A request reads
-everything that arrived for it since its last read at once, so a slow client gets fewer, larger
-messages. When the stream breaks, every request on it fails with the stream's status (the router
+every request that has some, and this object hands each request its own. A request is woken when
+``wake_every`` new tokens have arrived for it (0: only at its end), and reads everything that
+arrived since its last read at once, so a slow client gets fewer, larger messages. When the stream breaks, every request on it fails with the stream's status (the router
 then resumes them on other pairs) and the next start opens a new stream.
 """
 from __future__ import annotations
@@ -44,13 +44,14 @@ class DecodeStream:
         self._reader: asyncio.Task | None = None
         self._requests: dict[str, _Inbox] = {}
 
-    async def decode(self, request: decode_pb2.DecodeRequest,
-                     timeout_s: float | None) -> AsyncIterator[decode_pb2.RequestTokens]:
+    async def decode(self, request: decode_pb2.DecodeRequest, timeout_s: float | None,
+                     wake_every: int = 1) -> AsyncIterator[decode_pb2.RequestTokens]:
         """Starts ``request`` on the stream and yields what arrives for it, all that has arrived
-        merged into one message per read; raises StreamError (DEADLINE_EXCEEDED after
-        ``timeout_s``). Ends after the message with a finish reason."""
+        merged into one message per read, a read each ``wake_every`` tokens (0: one read, at the
+        end); raises StreamError (DEADLINE_EXCEEDED after ``timeout_s``), after yielding the
+        tokens that came before it. Ends after the message with a finish reason."""
         request_id = request.request_id
-        inbox = _Inbox()
+        inbox = _Inbox(wake_every)
         self._requests[request_id] = inbox
         # The deadline is one timer per request, not a timeout per message.
         deadline = None if timeout_s is None else asyncio.get_running_loop().call_later(
@@ -93,18 +94,8 @@ class DecodeStream:
         error = StreamError(grpc.StatusCode.UNAVAILABLE,
                             f"decode worker {self.address} ended its stream")
         try:
-            requests = self._requests
             async for message in call:
-                # (ids the router has given up, or never had, are skipped)
-                for request_id, token_id in zip(message.request_ids, message.token_ids):
-                    inbox = requests.get(request_id)
-                    if inbox is not None:
-                        inbox.tokens.append(token_id)
-                        inbox.ready.set()
-                for final in message.finished:
-                    inbox = requests.get(final.request_id)
-                    if inbox is not None:
-                        inbox.put(final)
+                self.deliver(message)
         except grpc.aio.AioRpcError as err:
             error = StreamError(err.code(), err.details() or err.code().name)
         finally:
@@ -115,15 +106,33 @@ class DecodeStream:
             for inbox in self._requests.values():
                 inbox.put(error)
 
+    def deliver(self, message: decode_pb2.StreamResponse) -> None:
+        """Hands each request its tokens and end from one of the worker's messages (ids the
+        router has given up, or never had, are skipped)."""
+        requests = self._requests
+        for request_id, token_id in zip(message.request_ids, message.token_ids):
+            inbox = requests.get(request_id)
+            if inbox is not None:
+                inbox.tokens.append(token_id)
+                if len(inbox.tokens) == inbox.wake_every:
+                    inbox.ready.set()
+        for final in message.finished:
+            inbox = requests.get(final.request_id)
+            if inbox is not None:
+                inbox.put(final)
+
     async def close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
 
 
 class _Inbox:
-    """What arrived for one request since it last looked: tokens, then maybe its end."""
+    """What arrived for one request since it last looked: tokens, then maybe its end. It is
+    ready to be looked at once ``wake_every`` tokens are there (0: never for tokens alone), or
+    its end."""
 
-    def __init__(self) -> None:
+    def __init__(self, wake_every: int) -> None:
+        self.wake_every = wake_every
         self.tokens: list[int] = []
         self.end: decode_pb2.RequestTokens | StreamError | None = None
         self.ready = asyncio.Event()

@@ -222,7 +222,8 @@ class Generation:
         if output.finished:
             return
         try:
-            async for message in pair.stream_decode(first_token, remaining()):
+            async for message in pair.stream_decode(first_token, remaining(),
+                                                    self._wake_every(job)):
                 chunk = output.add(list(message.token_ids))
                 self.metrics.generated_tokens.inc(len(chunk.token_ids))
                 if pair.decode_ended_stream and not output.finished:
@@ -240,3 +241,12 @@ class Generation:
             raise DecodeLost(f"decode worker {pair.decode.address} lost the request: "
                              f"{err.code().name}: {err.details()}") from err
         raise DecodeLost(f"decode worker {pair.decode.address} ended the stream early")
+
+    def _wake_every(self, job: GenerationJob) -> int:
+        """How many new tokens the relay takes from decode at a time: the stream interval where
+        the client sees them as they come, or stop strings must be looked for in them; where
+        neither, none until the end (the decode worker applies the finish rule itself, and a
+        lost worker's tokens still come before its error)."""
+        if job.stream or job.stop_strings:
+            return self.config.stream_interval
+        return 0

@@ -45,6 +45,7 @@ def _one_line_error(result: subprocess.CompletedProcess, *words: str) -> None:
     (["--decode", "-2"], ["--decode -2", "0 (auto)"]),
     (["--prefill", "1", "--prefill-devices", "cpu,cpu"], ["--prefill 1", "no worker"]),
     (["--chunk-size", "-1"], ["--chunk-size -1", "0 (auto)"]),
+    (["--stream-interval", "0"], ["--stream-interval 0", "1 or more"]),
 ])
 def test_up_reports_a_mistake_in_one_line(flags, words):
     _one_line_error(_pdserve("up", "--port", str(free_port()), *flags), *words)
@@ -77,6 +78,11 @@ def test_up_refuses_a_busy_port(flag):
         port = busy.getsockname()[1]
         other = ["--port", str(free_port())] if flag == "--http-port" else []
         _one_line_error(_pdserve("up", flag, str(port), *other), flag, "in use")
+
+
+def test_router_reports_a_stream_interval_below_one_in_one_line():
+    _one_line_error(_pdserve("router", "--port", str(free_port()), "--model", "tiny",
+                             "--stream-interval", "-1"), "--stream-interval -1")
 
 
 def test_router_refuses_a_busy_http_port():

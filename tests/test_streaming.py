@@ -1,18 +1,23 @@
 """Token streaming: a decode stream's messages carry every request's tokens of a step, steps pile
 up into one message while a router is slow, and every client stream, slow or not, many at once,
-gets exactly the tokens a single process gives."""
+gets exactly the tokens a single process gives; with --stream-interval N a client gets a message
+every N tokens (and the router is woken that often), with the same tokens and text."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 
 import grpc
-from conftest import generate
+import pytest
+from conftest import TOKEN_FILE, free_port, generate, wait_serving
 
 from decode_service.outbox import Outbox
 from pdserve.engine import local
 from pdserve.sampling_params import SamplingParams
-from protos.pdserve.v1 import generate_pb2
+from protos.pdserve.v1 import decode_pb2, generate_pb2, generate_pb2_grpc
+from router.decode_stream import DecodeStream, _Inbox
 
 
 def test_outbox_sends_what_piled_up_as_one_message():
@@ -66,3 +71,79 @@ def test_many_concurrent_streams_each_get_their_own_tokens(cluster, tiny_runner)
     for i, ids in enumerate(results):
         params = SamplingParams(max_new_tokens=20 + i, temperature=0.8, seed=i)
         assert ids == local.generate(tiny_runner, prompts[i], params), f"request {i}"
+
+
+def test_a_request_is_woken_every_n_tokens_or_only_at_its_end():
+    async def scenario():
+        stream = DecodeStream(stub=None, address="unused")
+        every4, at_end = _registered_inbox(stream, "a", 4), _registered_inbox(stream, "b", 0)
+        woken = []
+        for step in range(1, 6):
+            stream.deliver(decode_pb2.StreamResponse(request_ids=["a", "b"],
+                                                     token_ids=[step, 100 + step]))
+            woken.append((every4.ready.is_set(), at_end.ready.is_set()))
+        taken = await every4.take()
+        stream.deliver(decode_pb2.StreamResponse(finished=[
+            decode_pb2.RequestTokens(request_id="b", token_ids=[106], finish_reason=1)]))
+        return woken, taken, every4.ready.is_set(), await at_end.take()
+
+    woken, taken, ready_again, (b_tokens, b_end) = asyncio.run(scenario())
+    assert woken == [(False, False)] * 3 + [(True, False)] * 2
+    assert taken == ([1, 2, 3, 4, 5], None) and not ready_again
+    assert b_tokens == [101, 102, 103, 104, 105] and list(b_end.token_ids) == [106]
+
+
+def _registered_inbox(stream: DecodeStream, request_id: str, wake_every: int) -> _Inbox:
+    """The inbox ``decode()`` registers for a request it starts (without starting it)."""
+    inbox = stream._requests[request_id] = _Inbox(wake_every)
+    return inbox
+
+
+@pytest.fixture(scope="module")
+def router_every_4(cluster):
+    """A second router over the shared cluster's workers, streaming a message every 4 tokens."""
+    port = free_port()
+    process = subprocess.Popen([
+        sys.executable, "-m", "pdserve", "router", "--port", str(port), "--model", "tiny",
+        "--internal-token-file", TOKEN_FILE, "--stream-interval", "4",
+        "--prefill-addrs", ",".join(cluster.workers["prefill"]),
+        "--decode-addrs", ",".join(cluster.workers["decode"])])
+    try:
+        wait_serving(f"127.0.0.1:{port}", process)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield generate_pb2_grpc.GenerationServiceStub(channel)
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+@pytest.mark.parametrize("stop", [[], ["zz"]], ids=["no_stop", "stop_string"])
+def test_stream_interval_groups_tokens_and_changes_nothing_else(cluster, router_every_4,
+                                                                tiny_runner, stop):
+    prompt = list(b"every fourth token")
+
+    def run(stub, stream: bool, seed: int) -> list[generate_pb2.GenerateResponse]:
+        request = generate_pb2.GenerateRequest(
+            token_ids=generate_pb2.TokenIds(ids=prompt), stream=stream,
+            sampling=generate_pb2.SamplingParams(max_new_tokens=23, temperature=0.9, seed=seed,
+                                                 ignore_eos=True, stop=stop))
+        return list(stub.Generate(request, timeout=60))
+
+    for seed in range(3):
+        every_token, grouped = run(cluster.stub(), True, seed), run(router_every_4, True, seed)
+        whole = run(router_every_4, False, seed)
+        ids = [t for r in grouped for t in r.token_ids]
+        assert ids == [t for r in every_token for t in r.token_ids] == list(whole[0].token_ids)
+        assert "".join(r.text for r in grouped) == "".join(r.text for r in every_token) \
+            == whole[0].text
+        assert grouped[-1].finish_reason == every_token[-1].finish_reason \
+            == whole[0].finish_reason
+        assert grouped[-1].usage == every_token[-1].usage == whole[0].usage
+        if not stop:
+            params = SamplingParams(max_new_tokens=23, temperature=0.9, seed=seed)
+            assert ids == local.generate(tiny_runner, prompt, params)
+        # The first token alone, at once; then at least 4 a message (more where the router
+        # read late), the last message with what is left.
+        sizes = [len(r.token_ids) for r in grouped]
+        assert sizes[0] == 1 and all(n >= 4 for n in sizes[1:-1]) and 1 <= sizes[-1]
+        assert len(grouped) <= 1 + -(-(len(ids) - 1) // 4)
