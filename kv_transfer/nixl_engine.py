@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import importlib
 import json
 import os
 import socket
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from types import ModuleType
@@ -30,6 +32,12 @@ from pdserve.kvcache.pool import KVPool
 
 NIXL_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
 POLL_S = 0.00005
+# How long the decode side's progress thread may sleep in poll() between looks at its UCX
+# workers. It wakes at once when a worker's event fd fires; the timeout only bounds how late it
+# looks where one does not (NIXL's own workaround for a UCX bug). NIXL's Python API sets it to 0,
+# so the thread polled without sleeping: about half a core for as long as a decode worker lived
+# once a first transfer had come in.
+PROGRESS_DELAY_US = 1000
 
 
 def nixl_api() -> ModuleType:
@@ -51,16 +59,52 @@ def _keep_to(host: str) -> None:
 
 
 def _agent(role: str, host: str, progress_thread: bool) -> Any:
-    """A NIXL agent with the UCX backend. Its progress thread polls without sleeping once the
-    agent has connected (NIXL's Python API sets no delay): about half a core for as long as the
-    process lives. Only a side that waits passively needs it (decode: UCX answers connection
-    set-up, and moves data where it emulates writes, only when progressed); the sender
-    progresses its own transfers while it polls them."""
+    """A NIXL agent with the UCX backend. Only a side that waits passively has a progress
+    thread (decode: UCX answers connection set-up, and moves data where it emulates writes, only
+    when progressed), sleeping up to PROGRESS_DELAY_US between looks; the sender progresses its
+    own transfers while it polls them."""
     _keep_to(host)
     api = nixl_api()
     name = f"pdserve-{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    return api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=progress_thread,
-                                                      backends=["UCX"]))
+    config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
+    with _progress_delay(api, PROGRESS_DELAY_US):
+        return api.nixl_agent(name, config)
+
+
+@contextlib.contextmanager
+def _progress_delay(api: ModuleType, delay_us: int) -> Iterator[None]:
+    """Agents made meanwhile get a progress thread that sleeps up to ``delay_us`` between looks.
+    NIXL's Python API builds the agent's C++ config itself and sets its delay to 0, with no
+    argument to change it: for that call, its config class is one that keeps at least
+    ``delay_us`` (agents are made once, at start-up, one at a time)."""
+    bindings = api.nixlBind
+    base = bindings.nixlAgentConfig
+
+    class Config(base):
+        @property
+        def pthrDelay(self) -> int:
+            return base.pthrDelay.__get__(self)
+
+        @pthrDelay.setter
+        def pthrDelay(self, value: int) -> None:
+            base.pthrDelay.__set__(self, max(value, delay_us))
+
+    api.nixlBind = _Overriding(bindings, nixlAgentConfig=Config)
+    try:
+        yield
+    finally:
+        api.nixlBind = bindings
+
+
+class _Overriding:
+    """A module with some of its attributes replaced."""
+
+    def __init__(self, module: ModuleType, **replaced: Any) -> None:
+        self._module = module
+        self.__dict__.update(replaced)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
 
 
 def _memory(pool: KVPool) -> tuple[str, int]:
