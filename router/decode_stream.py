@@ -3,8 +3,9 @@
 Requests are started on the stream; the worker sends one message per step with the new tokens of
 every request that has some, and this object hands each request its own. A request is woken when
 ``wake_every`` new tokens have arrived for it (0: only at its end), and reads everything that
-arrived since its last read at once, so a slow client gets fewer, larger messages. When the stream breaks, every request on it fails with the stream's status (the router
-then resumes them on other pairs) and the next start opens a new stream.
+arrived since its last read at once, so a slow client gets fewer, larger messages. When the
+stream breaks, every request on it fails with the stream's status (the router then resumes them
+on other pairs) and the next start opens a new stream.
 """
 from __future__ import annotations
 
