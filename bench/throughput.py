@@ -81,13 +81,15 @@ async def _run_requests(router: str, jobs: list[tuple[list[int], int]], temperat
                                                      temperature=temperature, seed=index))
             started = time.time()
             first = None
-            tokens = 0
+            tokens = messages = 0
             async for response in stub.Generate(request, timeout=3600):
                 if first is None and response.token_ids:
                     first = time.time()
                 tokens += len(response.token_ids)
+                messages += 1
             end = time.time()
-            return {"start": started, "first": first or end, "end": end, "tokens": tokens}
+            return {"start": started, "first": first or end, "end": end, "tokens": tokens,
+                    "messages": messages}
 
         await asyncio.get_running_loop().run_in_executor(None, start)   # all at once
         return await asyncio.gather(*(one(stubs[k % len(stubs)], i, p, n)
@@ -115,7 +117,7 @@ async def _run_http_requests(base_url: str, jobs: list[tuple[list[int], int]],
                     "stream_options": {"include_usage": True}}
             started = time.time()
             first = None
-            tokens = 0
+            tokens = messages = 0
             async with session.post(f"{base_url}/completions", json=body) as reply:
                 reply.raise_for_status()
                 async for line in reply.content:
@@ -126,8 +128,11 @@ async def _run_http_requests(base_url: str, jobs: list[tuple[list[int], int]],
                     event = json.loads(line[6:])
                     if event.get("usage"):
                         tokens = event["usage"]["completion_tokens"]
+                    else:
+                        messages += 1
             end = time.time()
-            return {"start": started, "first": first or end, "end": end, "tokens": tokens}
+            return {"start": started, "first": first or end, "end": end, "tokens": tokens,
+                    "messages": messages}
 
         await asyncio.get_running_loop().run_in_executor(None, start)   # all at once
         return await asyncio.gather(*(one(i, p, n) for i, p, n in jobs))
@@ -479,6 +484,8 @@ def _row(args: argparse.Namespace, api: str, results: list[dict], wall_s: float,
         "model": args.model, "seqs": len(results), "output_tokens": tokens,
         "output_tokens_expected": expected, "wall_s": round(wall_s, 2),
         "throughput_tok_s": round(tokens / wall_s, 1),
+        # what the clients got per message (a slow router or --stream-interval merges tokens)
+        "tokens_per_message": round(tokens / max(sum(r["messages"] for r in results), 1), 2),
         "stream": not args.no_stream,
         # (a request that is not streamed has no first token before its last)
         "ttft_ms": None if args.no_stream else percentiles(

@@ -1,6 +1,6 @@
-"""`bench/throughput.py` end to end on the CPU: it starts `pdserve up` with the tiny model, runs
-its share of the workload (--shard) through the public API, and writes the JSON the GPU figures
-come from; a wrong flag is one line and exit code 2."""
+"""`bench/throughput.py` end to end on the CPU: it starts `pdserve up` with the tiny model (here
+streaming a message every 4 tokens), runs its share of the workload (--shard) through the public
+API, and writes the JSON the GPU figures come from; a wrong flag is one line and exit code 2."""
 from __future__ import annotations
 
 import json
@@ -16,7 +16,8 @@ def test_a_shard_of_the_workload_through_pdserve_up(tmp_path):
     out = tmp_path / "throughput.json"
     run = subprocess.run([sys.executable, SCRIPT, "--model", "tiny", "--num-seqs", "8",
                           "--max-input", "128", "--max-output", "100", "--warmup-seqs", "2",
-                          "--clients", "2", "--shard", "1/2", "--out", str(out)],
+                          "--clients", "2", "--shard", "1/2", "--up-args", "--stream-interval 4",
+                          "--out", str(out)],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
     row = json.loads(out.read_text())
@@ -24,12 +25,15 @@ def test_a_shard_of_the_workload_through_pdserve_up(tmp_path):
     assert (row["seqs"], row["shard"], row["output_tokens_expected"]) == (4, "1/2", 400)
     assert row["output_tokens"] == 400
     assert row["decode"]["steps"] > 0 and row["ttft_ms"]["p50"] > 0
+    # 100 tokens a request: the first alone, then at least 4 a message.
+    assert row["stream"] and 3.8 <= row["tokens_per_message"] <= 100 / 2
 
 
 def test_wrong_flags_are_one_line():
     for flags, message in ((["--shard", "2/2"], "--shard 2/2: K must be at least 0 and below N"),
                            (["--max-input", "40"], "--max-input and --max-output must be at "
-                                                   "least 100")):
+                                                   "least 100"),
+                           (["--no-stream", "--api", "http"], "--no-stream is for --api grpc")):
         run = subprocess.run([sys.executable, SCRIPT, *flags], capture_output=True, text=True,
                              timeout=120, cwd=ROOT)
         assert run.returncode == 2
