@@ -101,17 +101,19 @@ def _registered_inbox(stream: DecodeStream, request_id: str, wake_every: int) ->
 
 @pytest.fixture(scope="module")
 def router_every_4(cluster):
-    """A second router over the shared cluster's workers, streaming a message every 4 tokens."""
-    port = free_port()
+    """A second router over the shared cluster's workers, streaming a message every 4 tokens:
+    its gRPC stub, and the base URL of its OpenAI HTTP API."""
+    port, http_port = free_port(), free_port()
     process = subprocess.Popen([
         sys.executable, "-m", "pdserve", "router", "--port", str(port), "--model", "tiny",
-        "--internal-token-file", TOKEN_FILE, "--stream-interval", "4",
-        "--prefill-addrs", ",".join(cluster.workers["prefill"]),
+        "--http-port", str(http_port), "--internal-token-file", TOKEN_FILE,
+        "--stream-interval", "4", "--prefill-addrs", ",".join(cluster.workers["prefill"]),
         "--decode-addrs", ",".join(cluster.workers["decode"])])
     try:
         wait_serving(f"127.0.0.1:{port}", process)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            yield generate_pb2_grpc.GenerationServiceStub(channel)
+            yield (generate_pb2_grpc.GenerationServiceStub(channel),
+                   f"http://127.0.0.1:{http_port}/v1")
     finally:
         process.terminate()
         process.wait(30)
@@ -129,9 +131,10 @@ def test_stream_interval_groups_tokens_and_changes_nothing_else(cluster, router_
                                                  ignore_eos=True, stop=stop))
         return list(stub.Generate(request, timeout=60))
 
+    stub = router_every_4[0]
     for seed in range(3):
-        every_token, grouped = run(cluster.stub(), True, seed), run(router_every_4, True, seed)
-        whole = run(router_every_4, False, seed)
+        every_token, grouped = run(cluster.stub(), True, seed), run(stub, True, seed)
+        whole = run(stub, False, seed)
         ids = [t for r in grouped for t in r.token_ids]
         assert ids == [t for r in every_token for t in r.token_ids] == list(whole[0].token_ids)
         assert "".join(r.text for r in grouped) == "".join(r.text for r in every_token) \
@@ -147,3 +150,23 @@ def test_stream_interval_groups_tokens_and_changes_nothing_else(cluster, router_
         sizes = [len(r.token_ids) for r in grouped]
         assert sizes[0] == 1 and all(n >= 4 for n in sizes[1:-1]) and 1 <= sizes[-1]
         assert len(grouped) <= 1 + -(-(len(ids) - 1) // 4)
+
+
+def test_stream_interval_groups_the_openai_api_chunks_too(cluster, router_every_4):
+    import openai
+
+    kwargs = dict(model="tiny", prompt="grouped chunks", max_tokens=21, temperature=0.8, seed=3,
+                  extra_body={"ignore_eos": True})
+    with openai.OpenAI(base_url=cluster.http_url, api_key="unused", max_retries=0,
+                       timeout=60) as every_token, \
+            openai.OpenAI(base_url=router_every_4[1], api_key="unused", max_retries=0,
+                          timeout=60) as grouped:
+        expected = every_token.completions.create(**kwargs).choices[0].text
+        chunks = [c for c in grouped.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True}) if c.choices]
+        whole = grouped.completions.create(**kwargs)
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text == expected
+    assert chunks[-1].choices[0].finish_reason == "length"
+    # 21 tokens: the first alone, then at least 4 a chunk (a chunk whose text is held back,
+    # an incomplete character, may be skipped)
+    assert len(chunks) <= 1 + -(-20 // 4)
