@@ -3,6 +3,7 @@
 prompts that outlasts the lease, and a decode and a prefill worker killed mid-run (and
 restarted by `up`). Afterwards every worker is back to
 idle: all pages free, none leaked, no reservation; and no request the server accepted was lost.
+Once with every token streamed as it comes, once with a message every 3 tokens.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import openai
+import pytest
 from conftest import pages_at_rest, start_cluster, stop_cluster
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -42,9 +44,11 @@ def _router_outcomes(cluster) -> dict[str, float]:  # noqa: ANN001
             for sample in family.samples if sample.name.endswith("_total")}
 
 
-def test_soak_leaves_every_worker_idle_and_loses_no_accepted_request(tiny_runner):
+@pytest.mark.parametrize("stream_interval", [1, 3])
+def test_soak_leaves_every_worker_idle_and_loses_no_accepted_request(tiny_runner,
+                                                                     stream_interval):
     cluster = start_cluster(["--prefill", "2", "--decode", "2", "--lease-timeout-s", str(LEASE_S),
-                             "--reserve-wait-s", "5"])
+                             "--reserve-wait-s", "5", "--stream-interval", str(stream_interval)])
     rng = random.Random(12)
     problems: list[str] = []
     outcomes: dict[str, int] = {}
