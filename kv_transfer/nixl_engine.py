@@ -67,6 +67,8 @@ def _agent(role: str, host: str, progress_thread: bool) -> Any:
     api = nixl_api()
     name = f"pdserve-{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
+    if not progress_thread:
+        return api.nixl_agent(name, config)
     with _progress_delay(api, PROGRESS_DELAY_US):
         return api.nixl_agent(name, config)
 
@@ -76,9 +78,13 @@ def _progress_delay(api: ModuleType, delay_us: int) -> Iterator[None]:
     """Agents made meanwhile get a progress thread that sleeps up to ``delay_us`` between looks.
     NIXL's Python API builds the agent's C++ config itself and sets its delay to 0, with no
     argument to change it: for that call, its config class is one that keeps at least
-    ``delay_us`` (agents are made once, at start-up, one at a time)."""
-    bindings = api.nixlBind
-    base = bindings.nixlAgentConfig
+    ``delay_us`` (agents are made once, at start-up, one at a time). A NIXL whose API is laid
+    out otherwise makes its agents as it would (polling without sleeping)."""
+    bindings = getattr(api, "nixlBind", None)
+    base = getattr(bindings, "nixlAgentConfig", None)
+    if base is None or not hasattr(base, "pthrDelay"):
+        yield
+        return
 
     class Config(base):
         @property
