@@ -48,13 +48,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import start_up, write_results  # noqa: E402
 
 
-def workload(num_seqs: int, max_input: int, max_output: int) -> tuple[list[list[int]], list[int]]:
-    """mini-sglang's draws, in its order: every prompt, then every output length."""
+def workload(num_seqs: int, max_input: int, max_output: int,
+             shard: tuple[int, int] | None = None) -> tuple[list[list[int]], list[int]]:
+    """mini-sglang's draws, in its order: every prompt, then every output length; with
+    ``shard`` (K, N), only requests K, K+N, K+2N, ... of them."""
     random.seed(0)
     prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, max_input))]
                for _ in range(num_seqs)]
     outputs = [random.randint(100, max_output) for _ in range(num_seqs)]
+    if shard is not None:
+        prompts, outputs = prompts[shard[0]::shard[1]], outputs[shard[0]::shard[1]]
     return prompts, outputs
+
+
+def parse_shard(spec: str) -> tuple[int, int]:
+    """``K/N`` as (K, N); ValueError with the reason otherwise."""
+    try:
+        k, n = (int(part) for part in spec.split("/"))
+    except ValueError:
+        raise ValueError("expected K/N, such as 0/2") from None
+    if not 0 <= k < n:
+        raise ValueError("K must be at least 0 and below N")
+    return k, n
 
 
 async def _run_requests(router: str, jobs: list[tuple[list[int], int]], temperature: float,
@@ -359,12 +374,9 @@ def main() -> None:
     shard = None
     if args.shard:
         try:
-            k, n = (int(part) for part in args.shard.split("/"))
-        except ValueError:
-            parser.error(f"--shard {args.shard}: expected K/N, such as 0/2")
-        if not 0 <= k < n:
-            parser.error(f"--shard {args.shard}: K must be at least 0 and below N")
-        shard = (k, n)
+            shard = parse_shard(args.shard)
+        except ValueError as e:
+            parser.error(f"--shard {args.shard}: {e}")
     if args.peer_json and not Path(args.peer_json).is_file():
         parser.error(f"--peer-json {args.peer_json}: no such file")
     if args.no_stream and args.api != "grpc":
@@ -375,9 +387,7 @@ def main() -> None:
         parser.error("--max-input and --max-output must be at least 100 (the workload draws "
                      "lengths from 100 up, as mini-sglang's does)")
 
-    prompts, outputs = workload(args.num_seqs, args.max_input, args.max_output)
-    if shard is not None:
-        prompts, outputs = prompts[shard[0]::shard[1]], outputs[shard[0]::shard[1]]
+    prompts, outputs = workload(args.num_seqs, args.max_input, args.max_output, shard)
     process = None
     decode_metrics = ""
     metrics: dict[str, str] = {}

@@ -38,3 +38,21 @@ def test_wrong_flags_are_one_line():
                              timeout=120, cwd=ROOT)
         assert run.returncode == 2
         assert message in run.stderr.strip().splitlines()[-1]
+
+
+def test_the_peer_runner_draws_the_same_requests_and_says_what_it_lacks(tmp_path):
+    sys.path.insert(0, str(ROOT / "bench"))
+    from throughput import workload
+
+    prompts, outputs = workload(256, 1024, 1024)
+    half, half_outputs = workload(256, 1024, 1024, (1, 2))
+    assert (half, half_outputs) == (prompts[1::2], outputs[1::2])
+    peer = str(ROOT / "bench" / "peer_minisgl.py")
+    run = subprocess.run([sys.executable, peer, str(tmp_path), str(tmp_path / "o.json"),
+                          "--runs", "all,3/2"], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT)
+    assert run.returncode == 2
+    assert "--runs: 3/2: K must be at least 0 and below N" in run.stderr.strip().splitlines()[-1]
+    run = subprocess.run([sys.executable, peer, str(tmp_path), str(tmp_path / "o.json")],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 1 and "mini-sglang is not importable" in run.stderr
