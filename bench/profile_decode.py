@@ -1,7 +1,8 @@
-"""Where a batch-1 decode step's time goes: GPU kernels of one CUDA-graph replay, grouped, and
-each linear layer's shape timed alone against the copy bandwidth.
+"""Where a decode step's time goes: GPU kernels of one CUDA-graph replay, grouped, and each
+linear layer's shape timed alone (at one token) against the copy bandwidth.
 
     python bench/profile_decode.py --model llama3-8b --context 1024
+    python bench/profile_decode.py --model /tmp/q06 --context 950 --batch 64   # 64 rows
 
 Writes the kernel table and the per-shape GEMV times to ``--out``.
 """
@@ -76,16 +77,20 @@ def main() -> None:
     parser.add_argument("--model", default="llama3-8b")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=1, help="rows of the step (a graph batch "
+                        "size: 1, 2, 4, 8, 16, 24, ...), each at --context tokens")
     parser.add_argument("--out", default="bench/results/profile_decode.json")
     args = parser.parse_args()
     pages_per_seq = -(-(args.context + 1) // args.page_size)
     runner = ModelRunner(EngineConfig(model=args.model, page_size=args.page_size,
-                                      num_pages=pages_per_seq + 64, cuda_graph_max_bs=1),
-                         "decode")
-    pages = runner.pool.allocator.alloc(pages_per_seq)
-    seqs = [SeqInput([7], args.context, pages)]
+                                      num_pages=pages_per_seq * args.batch + 64,
+                                      cuda_graph_max_bs=args.batch), "decode")
+    if args.batch not in runner.graphs.graphs:
+        sys.exit(f"--batch {args.batch}: not a graph batch size ({sorted(runner.graphs.graphs)})")
+    seqs = [SeqInput([7], args.context, runner.pool.allocator.alloc(pages_per_seq))
+            for _ in range(args.batch)]
     runner.forward(seqs)
-    graph = runner.graphs.graphs[1]
+    graph = runner.graphs.graphs[args.batch]
     replay_ms = cuda_time_ms(graph.replay, iters=50)
     kernels, kernel_us = kernel_table(graph.replay)
     bandwidth = copy_bandwidth_bytes_per_s()
@@ -98,7 +103,7 @@ def main() -> None:
         print(f"{row['linear']:>13} {str(row['shape']):>15}: {row['us']:8.2f} us, "
               f"floor {row['floor_us']:8.2f} us (x{row['of_floor']})")
     write_results(args.out, "profile_decode", {
-        "model": args.model, "context": args.context, "replay_us": round(replay_ms * 1e3, 1),
+        "model": args.model, "context": args.context, "batch": args.batch, "replay_us": round(replay_ms * 1e3, 1),
         "kernel_us": round(kernel_us, 1), "copy_bandwidth_bytes_per_s": bandwidth,
         "kernels": kernels, "gemv": shapes})
 
