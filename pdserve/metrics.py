@@ -238,3 +238,9 @@ class RouterMetrics(RoleMetrics):
         self.worker_in_flight = self._metric(Gauge, "pdserve_worker_in_flight_requests",
                                              "Requests the router has on a worker",
                                              extra=("target_role", "target"))
+        self.stream_interval = self._metric(
+            Gauge, "pdserve_router_stream_interval", "Least tokens a streamed message carries "
+            "now: --stream-interval, or up to --max-stream-interval while the router is behind")
+        self.paced_seconds = self._metric(
+            Counter, "pdserve_router_paced_seconds_total", "Time the router streamed more "
+            "tokens a message than --stream-interval because it was behind")

@@ -107,6 +107,9 @@ def check_router(config: RouterConfig) -> None:
     if config.stream_interval < 1:
         raise ConfigError(f"--stream-interval {config.stream_interval}: give the tokens per "
                           "streamed message, 1 or more")
+    if config.max_stream_interval < config.stream_interval:
+        raise ConfigError(f"--max-stream-interval {config.max_stream_interval}: give at least "
+                          f"--stream-interval ({config.stream_interval})")
 
 
 def check_server(config: ServerConfig) -> None:

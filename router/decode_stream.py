@@ -2,8 +2,9 @@
 
 Requests are started on the stream; the worker sends one message per step with the new tokens of
 every request that has some, and this object hands each request its own. A request is woken when
-``wake_every`` new tokens have arrived for it (0: only at its end), and reads everything that
-arrived since its last read at once, so a slow client gets fewer, larger messages. When the
+``wake_every`` new tokens have arrived for it (0: only at its end; more while the router's
+``Pace`` says it is behind), and reads everything that arrived since its last read at once, so a
+slow client gets fewer, larger messages. When the
 stream breaks, every request on it fails with the stream's status (the router then resumes them
 on other pairs) and the next start opens a new stream.
 """
@@ -18,6 +19,7 @@ import grpc
 
 from pdserve.errors import status_code
 from protos.pdserve.v1 import decode_pb2
+from router.pace import Pace
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +40,10 @@ class StreamError(Exception):
 
 
 class DecodeStream:
-    def __init__(self, stub: Any, address: str) -> None:
+    def __init__(self, stub: Any, address: str, pace: Pace | None = None) -> None:
         self.stub = stub
         self.address = address
+        self.pace = pace
         self._outgoing: asyncio.Queue[decode_pb2.StreamRequest | None] | None = None
         self._reader: asyncio.Task | None = None
         self._requests: dict[str, _Inbox] = {}
@@ -48,8 +51,8 @@ class DecodeStream:
     async def decode(self, request: decode_pb2.DecodeRequest, timeout_s: float | None,
                      wake_every: int = 1) -> AsyncIterator[decode_pb2.RequestTokens]:
         """Starts ``request`` on the stream and yields what arrives for it, all that has arrived
-        merged into one message per read, a read each ``wake_every`` tokens (0: one read, at the
-        end); raises StreamError (DEADLINE_EXCEEDED after ``timeout_s``), after yielding the
+        merged into one message per read, a read each ``wake_every`` tokens or more (the pace's
+        interval where that is larger; 0: one read, at the end); raises StreamError (DEADLINE_EXCEEDED after ``timeout_s``), after yielding the
         tokens that came before it. Ends after the message with a finish reason."""
         request_id = request.request_id
         inbox = _Inbox(wake_every)
@@ -111,11 +114,13 @@ class DecodeStream:
         """Hands each request its tokens and end from one of the worker's messages (ids the
         router has given up, or never had, are skipped)."""
         requests = self._requests
+        least = self.pace.interval if self.pace is not None else 1
         for request_id, token_id in zip(message.request_ids, message.token_ids):
             inbox = requests.get(request_id)
             if inbox is not None:
                 inbox.tokens.append(token_id)
-                if len(inbox.tokens) == inbox.wake_every:
+                wake = inbox.wake_every
+                if wake and len(inbox.tokens) >= (wake if wake > least else least):
                     inbox.ready.set()
         for final in message.finished:
             inbox = requests.get(final.request_id)
@@ -129,8 +134,8 @@ class DecodeStream:
 
 class _Inbox:
     """What arrived for one request since it last looked: tokens, then maybe its end. It is
-    ready to be looked at once ``wake_every`` tokens are there (0: never for tokens alone), or
-    its end."""
+    ready to be looked at once ``wake_every`` tokens are there (or the pace's interval, where
+    larger; 0: never for tokens alone), or its end."""
 
     def __init__(self, wake_every: int) -> None:
         self.wake_every = wake_every

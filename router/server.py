@@ -22,6 +22,7 @@ from protos.pdserve.v1 import generate_pb2, generate_pb2_grpc
 from router.generation import Generation
 from router.http_server import OpenAIServer
 from router.output import Chunk
+from router.pace import Pace
 from router.validation import (
     INLINE_VALIDATION_BYTES,
     GenerateInput,
@@ -117,12 +118,14 @@ async def serve(config: RouterConfig) -> None:
                          max_receive_bytes=config.max_request_bytes, share_port=config.share_port)
     metrics = RouterMetrics(worker_id(config.server, "router", server.port),
                            served_name(config))
+    pace = Pace(config.stream_interval, config.max_stream_interval, metrics)
     workers = WorkerPool({"prefill": config.prefill_addrs + config.prefill_discovery,
                           "decode": config.decode_addrs + config.decode_discovery}, model,
                          config.health_interval_s, metrics, config.discovery_interval_s,
                          identity=identity, policy=config.router_policy,
                          max_imbalance_tokens=config.cache_aware_max_imbalance_tokens,
-                         same_gpu_max_imbalance_tokens=config.same_gpu_max_imbalance_tokens)
+                         same_gpu_max_imbalance_tokens=config.same_gpu_max_imbalance_tokens,
+                         pace=pace)
     generation = Generation(config, model, tokenizer, workers, metrics)
     servicer = GenerationServicer(generation)
     server.add(generate_pb2_grpc.add_GenerationServiceServicer_to_server, servicer,
@@ -139,6 +142,7 @@ async def serve(config: RouterConfig) -> None:
         await server.set_serving(ready)
 
     health_task = asyncio.create_task(workers.run(on_probe), name="worker-health")
+    pace_task = asyncio.create_task(pace.run(), name="stream-pace")
     http = None
     try:
         if config.http_port >= 0:
@@ -165,4 +169,5 @@ async def serve(config: RouterConfig) -> None:
         if http is not None:
             await http.stop()
         health_task.cancel()
+        pace_task.cancel()
         await workers.close()

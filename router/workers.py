@@ -24,6 +24,7 @@ from pdserve.models.config import ModelConfig
 from pdserve.security import Identity
 from protos.pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc, worker_pb2
 from router.decode_stream import DecodeStream
+from router.pace import Pace
 from router.policies import CacheAware, make_policy, prefer_same_gpu
 
 if TYPE_CHECKING:
@@ -75,8 +76,9 @@ class WorkerPool:
                  metrics: RouterMetrics | None = None, discovery_interval_s: float = 5.0,
                  resolver: Resolver = resolve_dns, identity: Identity | None = None,
                  policy: str = "round_robin", max_imbalance_tokens: int = 16384,
-                 same_gpu_max_imbalance_tokens: int = -1) -> None:
+                 same_gpu_max_imbalance_tokens: int = -1, pace: Pace | None = None) -> None:
         self.model = model
+        self.pace = pace
         self.policies = {role: make_policy(policy, role, max_imbalance_tokens)
                          for role in ("prefill", "decode")}
         self.same_gpu_max_imbalance_tokens = same_gpu_max_imbalance_tokens
@@ -97,7 +99,7 @@ class WorkerPool:
         ch = channel(address, self.identity)
         worker = Worker(role, address, source, ch, STUBS[role](ch))
         if role == "decode":
-            worker.decode_stream = DecodeStream(worker.stub, address)
+            worker.decode_stream = DecodeStream(worker.stub, address, self.pace)
         self.workers[role].append(worker)
         log.info("%s worker %s added (from %s)", role, address, source)
 

@@ -83,6 +83,8 @@ def test_up_refuses_a_busy_port(flag):
 def test_router_reports_a_stream_interval_below_one_in_one_line():
     _one_line_error(_pdserve("router", "--port", str(free_port()), "--model", "tiny",
                              "--stream-interval", "-1"), "--stream-interval -1")
+    _one_line_error(_pdserve("up", "--stream-interval", "4", "--max-stream-interval", "2"),
+                    "--max-stream-interval 2: give at least --stream-interval (4)")
 
 
 def test_router_refuses_a_busy_http_port():

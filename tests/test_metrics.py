@@ -45,6 +45,10 @@ def test_every_process_exports_its_metrics(cluster):
     assert _sum(router, "pdserve_inter_token_latency_seconds_count") >= 5
     assert 'pdserve_requests_total{model_name=tiny,outcome=finished,role=router' in "".join(router)
     assert any(k.startswith("pdserve_worker_healthy{") and v == 1 for k, v in router.items())
+    # 1 while the router keeps up; up to --max-stream-interval (16) while it is behind
+    assert 1 <= _sum(router, "pdserve_router_stream_interval") <= 16
+    assert _sum(router, "pdserve_router_paced_seconds_total") >= 0
+    assert any(k.startswith("pdserve_router_paced_seconds_total{") for k in router)
     assert _sum(prefill, "pdserve_prompt_tokens_total") >= 8
     assert _sum(prefill, "pdserve_kv_transfer_bytes_total") > 0
     assert _sum(prefill, "pdserve_kv_transfer_duration_seconds_count") >= 1

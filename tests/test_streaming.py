@@ -1,7 +1,8 @@
 """Token streaming: a decode stream's messages carry every request's tokens of a step, steps pile
 up into one message while a router is slow, and every client stream, slow or not, many at once,
 gets exactly the tokens a single process gives; with --stream-interval N a client gets a message
-every N tokens (and the router is woken that often), with the same tokens and text."""
+every N tokens (and the router is woken that often), with the same tokens and text; a router
+that falls behind groups more tokens a message (its pace) until it has caught up."""
 from __future__ import annotations
 
 import asyncio
@@ -17,7 +18,9 @@ from decode_service.outbox import Outbox
 from pdserve.engine import local
 from pdserve.sampling_params import SamplingParams
 from protos.pdserve.v1 import decode_pb2, generate_pb2, generate_pb2_grpc
+from router import pace as pace_module
 from router.decode_stream import DecodeStream, _Inbox
+from router.pace import Pace
 
 
 def test_outbox_sends_what_piled_up_as_one_message():
@@ -91,6 +94,66 @@ def test_a_request_is_woken_every_n_tokens_or_only_at_its_end():
     assert woken == [(False, False)] * 3 + [(True, False)] * 2
     assert taken == ([1, 2, 3, 4, 5], None) and not ready_again
     assert b_tokens == [101, 102, 103, 104, 105] and list(b_end.token_ids) == [106]
+
+
+def test_a_router_behind_groups_more_tokens_for_every_stream_but_the_unstreamed():
+    async def scenario():
+        pace = Pace(base=1, most=16)
+        stream = DecodeStream(stub=None, address="unused", pace=pace)
+        every1, every8, at_end = (_registered_inbox(stream, "a", 1),
+                                  _registered_inbox(stream, "b", 8), _registered_inbox(stream, "c", 0))
+        pace.interval = 4   # as observe() sets it while the loop runs late
+        woken = []
+        for step in range(1, 9):
+            stream.deliver(decode_pb2.StreamResponse(request_ids=["a", "b", "c"],
+                                                     token_ids=[step, step, step]))
+            woken.append((every1.ready.is_set(), every8.ready.is_set(), at_end.ready.is_set()))
+        return woken, await every1.take()
+
+    woken, taken = asyncio.run(scenario())
+    assert [w[0] for w in woken] == [False] * 3 + [True] * 5
+    assert [w[1] for w in woken] == [False] * 7 + [True]
+    assert not any(w[2] for w in woken)
+    assert taken == ([1, 2, 3, 4, 5, 6, 7, 8], None)
+
+
+def test_the_pace_doubles_while_behind_and_halves_back_once_on_time():
+    pace = Pace(base=2, most=12)
+    late, on_time = pace_module.BEHIND_S, pace_module.ON_TIME_S
+    seen = []
+    for sample in [late, late, late, late]:
+        pace.observe(sample)
+        seen.append(pace.interval)
+    assert seen == [4, 8, 12, 12]
+    for _ in range(pace_module.ON_TIME_SAMPLES - 1):
+        pace.observe(on_time)
+    pace.observe((late + on_time) / 2)   # neither: the run of on-time samples starts again
+    for _ in range(pace_module.ON_TIME_SAMPLES - 1):
+        pace.observe(on_time)
+    assert pace.interval == 12
+    pace.observe(on_time)
+    assert pace.interval == 6
+    for _ in range(3 * pace_module.ON_TIME_SAMPLES):
+        pace.observe(on_time)
+    assert pace.interval == 2   # never below --stream-interval
+    fixed = Pace(base=3, most=3)
+    fixed.observe(late)
+    assert fixed.interval == 3
+
+
+def test_a_blocked_event_loop_raises_the_pace():
+    """The real loop: callbacks that hold it make its timer late, and the pace rises."""
+    async def scenario():
+        pace = Pace(base=1, most=8)
+        sampler = asyncio.create_task(pace.run(period_s=0.01))
+        await asyncio.sleep(0.05)
+        for _ in range(3):
+            time.sleep(0.1)          # a callback that holds the loop, as a flood of writes does
+            await asyncio.sleep(0.02)
+        sampler.cancel()
+        return pace.interval
+
+    assert asyncio.run(scenario()) >= 4
 
 
 def _registered_inbox(stream: DecodeStream, request_id: str, wake_every: int) -> _Inbox:
