@@ -254,14 +254,14 @@ def scrape(metrics_address: str, wanted: tuple[str, ...] = DECODE_SERIES) -> dic
     return values
 
 
-def router_usage(metrics_addresses: list[str]) -> list[tuple[float, float]]:
-    """Each router process's CPU seconds so far (its process collector's counter) and the
-    requests it has served."""
-    usage = []
-    for address in metrics_addresses:
-        values = scrape(address, ("process_cpu_seconds_total", "pdserve_requests_total"))
-        usage.append((values["process_cpu_seconds_total"], values["pdserve_requests_total"]))
-    return usage
+ROUTER_SERIES = ("process_cpu_seconds_total", "pdserve_requests_total",
+                 "pdserve_router_paced_seconds_total")
+
+
+def router_usage(metrics_addresses: list[str]) -> list[tuple[float, ...]]:
+    """Each router process's CPU seconds so far (its process collector's counter), the
+    requests it has served and the seconds it streamed with a raised interval (behind)."""
+    return [tuple(scrape(address, ROUTER_SERIES).values()) for address in metrics_addresses]
 
 
 class Timeline:
@@ -456,8 +456,8 @@ def measure(args: argparse.Namespace, api: str, target: str, prompts: list[list[
                                                args.clients, args.connections,
                                                not args.no_stream)
     after = scrape(decode_metrics) if decode_metrics else None
-    router_cpu = [(cpu - cpu0, done - done0) for (cpu, done), (cpu0, done0)
-                  in zip(router_usage(router_metrics), router_before)]
+    router_cpu = [tuple(now - then for now, then in zip(after_run, before_run))
+                  for after_run, before_run in zip(router_usage(router_metrics), router_before)]
     row = _row(args, api, results, wall_s, outputs, before, after, router_cpu)
     if isinstance(timeline, Timeline):
         row["timeline"] = timeline.summary(started)
@@ -484,7 +484,7 @@ def median_run(runs: list[dict]) -> dict:
 def _row(args: argparse.Namespace, api: str, results: list[dict], wall_s: float,
          outputs: list[int], before: dict[str, float] | None,
          after: dict[str, float] | None,
-         routers: list[tuple[float, float]] | None = None) -> dict:
+         routers: list[tuple[float, float, float]] | None = None) -> dict:
     tokens = sum(r["tokens"] for r in results)
     expected = sum(outputs)
     row = {
@@ -519,11 +519,13 @@ def _row(args: argparse.Namespace, api: str, results: list[dict], wall_s: float,
         }
     if routers:   # the router processes' CPU over the run (what one of them can relay), and
         # how the kernel spread the requests over them
-        cpu_s = sum(cpu for cpu, _ in routers)
+        cpu_s = sum(cpu for cpu, _, _ in routers)
         row["router"] = {"processes": len(routers), "cpu_s": round(cpu_s, 2),
                          "cpu_us_per_token": round(cpu_s / max(tokens, 1) * 1e6, 1),
-                         "cpu_s_each": [round(cpu, 2) for cpu, _ in routers],
-                         "requests_each": [int(done) for _, done in routers]}
+                         "cpu_s_each": [round(cpu, 2) for cpu, _, _ in routers],
+                         "requests_each": [int(done) for _, done, _ in routers],
+                         # seconds each streamed more tokens a message than asked (behind)
+                         "paced_s_each": [round(paced, 2) for _, _, paced in routers]}
     if args.peer_json:
         peer = json.loads(Path(args.peer_json).read_text())
         row["peer"] = peer

@@ -25,6 +25,9 @@ def test_a_shard_of_the_workload_through_pdserve_up(tmp_path):
     assert (row["seqs"], row["shard"], row["output_tokens_expected"]) == (4, "1/2", 400)
     assert row["output_tokens"] == 400
     assert row["decode"]["steps"] > 0 and row["ttft_ms"]["p50"] > 0
+    router = row["router"]
+    assert len(router["cpu_s_each"]) == len(router["paced_s_each"]) == router["processes"]
+    assert sum(router["requests_each"]) == 4 and min(router["paced_s_each"]) >= 0
     # 100 tokens a request: the first alone, then at least 4 a message.
     assert row["stream"] and 3.8 <= row["tokens_per_message"] <= 100 / 2
 

@@ -136,6 +136,17 @@ def test_the_pace_doubles_while_behind_and_halves_back_once_on_time():
     for _ in range(3 * pace_module.ON_TIME_SAMPLES):
         pace.observe(on_time)
     assert pace.interval == 2   # never below --stream-interval
+    # the process's CPU: busy at a core's limit counts as behind; half busy holds the interval
+    pace.observe(on_time, busy=pace_module.BUSY_HIGH)
+    assert pace.interval == 4
+    for _ in range(pace_module.ON_TIME_SAMPLES - 1):
+        pace.observe(on_time)
+    pace.observe(on_time, busy=(pace_module.BUSY_LOW + pace_module.BUSY_HIGH) / 2)
+    pace.observe(on_time)
+    assert pace.interval == 4
+    for _ in range(pace_module.ON_TIME_SAMPLES - 1):
+        pace.observe(on_time, busy=pace_module.BUSY_LOW / 2)
+    assert pace.interval == 2
     fixed = Pace(base=3, most=3)
     fixed.observe(late)
     assert fixed.interval == 3
