@@ -21,6 +21,8 @@ import asyncio
 import logging
 import time
 
+from pdserve.metrics import RouterMetrics
+
 log = logging.getLogger(__name__)
 
 PERIOD_S = 0.02      # how often the loop's lateness is sampled
@@ -36,7 +38,7 @@ class Pace:
     """The router-wide least tokens a streamed message carries (``interval``), between
     ``base`` (--stream-interval) and ``most`` (--max-stream-interval)."""
 
-    def __init__(self, base: int, most: int, metrics=None) -> None:  # noqa: ANN001
+    def __init__(self, base: int, most: int, metrics: RouterMetrics | None = None) -> None:
         self.base = base
         self.most = max(most, base)
         self.interval = base
