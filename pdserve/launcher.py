@@ -60,6 +60,8 @@ YIELD_TO_PREFILL_MS = 1000.0
 # 17k. On one H200 at 22.6k tokens/s the busiest of four used 82% of a core, and eight gave the
 # same throughput (bench/reference/h200/two-gpu-estimate/3-routers-and-gpu-tests); on 2x H200
 # at 33k tokens/s the busiest of eight used 93% (bench/reference/h200x2/both-roles-each-gpu).
+# A router at its core's limit groups tokens (router/pace.py): one then relayed 24.9k tokens/s
+# on an H200 host (bench/reference/h200/router-pace).
 ROUTERS_PER_GPU = 4
 CORES_PER_ROUTER = 4
 
