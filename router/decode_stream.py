@@ -4,9 +4,9 @@ Requests are started on the stream; the worker sends one message per step with t
 every request that has some, and this object hands each request its own. A request is woken when
 ``wake_every`` new tokens have arrived for it (0: only at its end; more while the router's
 ``Pace`` says it is behind), and reads everything that arrived since its last read at once, so a
-slow client gets fewer, larger messages. When the
-stream breaks, every request on it fails with the stream's status (the router then resumes them
-on other pairs) and the next start opens a new stream.
+slow client gets fewer, larger messages. When the stream breaks, every request on it fails with
+the stream's status (the router then resumes them on other pairs) and the next start opens a
+new stream.
 """
 from __future__ import annotations
 
@@ -52,8 +52,9 @@ class DecodeStream:
                      wake_every: int = 1) -> AsyncIterator[decode_pb2.RequestTokens]:
         """Starts ``request`` on the stream and yields what arrives for it, all that has arrived
         merged into one message per read, a read each ``wake_every`` tokens or more (the pace's
-        interval where that is larger; 0: one read, at the end); raises StreamError (DEADLINE_EXCEEDED after ``timeout_s``), after yielding the
-        tokens that came before it. Ends after the message with a finish reason."""
+        interval where that is larger; 0: one read, at the end); raises StreamError
+        (DEADLINE_EXCEEDED after ``timeout_s``), after yielding the tokens that came before it.
+        Ends after the message with a finish reason."""
         request_id = request.request_id
         inbox = _Inbox(wake_every)
         self._requests[request_id] = inbox

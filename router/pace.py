@@ -2,18 +2,18 @@
 
 A router process relays on one core, and each message it writes costs about the same however
 many tokens it carries (gRPC's write and its system call). While the process keeps up, a
-streamed request gets a message every --stream-interval tokens. When it falls behind (its event
-loop runs callbacks late: more tokens arrive than it can write a message each for), the interval
-doubles, up to --max-stream-interval, so each write carries more and the backlog drains; once
-the loop runs on time again for a while it halves, back down to --stream-interval. Tokens, text
+streamed request gets a message every --stream-interval tokens. When it falls behind (more
+tokens arrive than it can write a message each for), the interval doubles, up to
+--max-stream-interval, so each write carries more and the backlog drains; once it has room again
+for a while it halves, back down to --stream-interval. Tokens, text
 and their order never change; only how they are grouped.
 
 Falling behind is read two ways. The event loop: a timer that should fire every ``period_s``
 fires late by however long the callbacks queued before it took. And the process's CPU: a router
 busy 90% of each tenth of a second is at its limit (with lateness alone, one router on an H200
-host kept falling back into saturation: bench/reference/h200/router-pace/). The interval halves only while both say
-there is room: the loop on time and the process under 40% busy (at half the interval it will be
-about twice as busy).
+host kept falling back into saturation: bench/reference/h200/router-pace/). The interval halves
+only while both say there is room: the loop on time and the process under 40% busy (at half the
+interval it will be about twice as busy).
 """
 from __future__ import annotations
 
