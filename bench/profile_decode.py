@@ -103,7 +103,8 @@ def main() -> None:
         print(f"{row['linear']:>13} {str(row['shape']):>15}: {row['us']:8.2f} us, "
               f"floor {row['floor_us']:8.2f} us (x{row['of_floor']})")
     write_results(args.out, "profile_decode", {
-        "model": args.model, "context": args.context, "batch": args.batch, "replay_us": round(replay_ms * 1e3, 1),
+        "model": args.model, "context": args.context, "batch": args.batch,
+        "replay_us": round(replay_ms * 1e3, 1),
         "kernel_us": round(kernel_us, 1), "copy_bandwidth_bytes_per_s": bandwidth,
         "kernels": kernels, "gemv": shapes})
 

@@ -193,8 +193,7 @@ class RouterConfig(ModelSource):
     max_stream_interval: int = setting(
         16, "most tokens per streamed message while the router process falls behind (its "
         "event loop runs late or it uses 90% of a core): the interval doubles up to this and "
-        "returns to "
-        "--stream-interval once it has caught up; equal to --stream-interval: never")
+        "returns to --stream-interval once it has caught up; equal to --stream-interval: never")
     max_request_bytes: int = setting(8 << 20, "largest Generate request accepted, in bytes "
                                      "(refused before it is parsed: 8 MiB holds 4 MB of text or "
                                      "1M token ids)")

@@ -5,8 +5,8 @@ many tokens it carries (gRPC's write and its system call). While the process kee
 streamed request gets a message every --stream-interval tokens. When it falls behind (more
 tokens arrive than it can write a message each for), the interval doubles, up to
 --max-stream-interval, so each write carries more and the backlog drains; once it has room again
-for a while it halves, back down to --stream-interval. Tokens, text
-and their order never change; only how they are grouped.
+for a while it halves, back down to --stream-interval. Tokens, text and their order never
+change; only how they are grouped.
 
 Falling behind is read two ways. The event loop: a timer that should fire every ``period_s``
 fires late by however long the callbacks queued before it took. And the process's CPU: a router
@@ -76,21 +76,21 @@ class Pace:
         if self.most == self.base:
             return
         loop = asyncio.get_running_loop()
-        last = window_start = time.monotonic()
+        last = window_start = loop.time()
         cpu_start = time.process_time()
         samples = 0
         while True:
             due = loop.time() + period_s
             await asyncio.sleep(period_s)
             paced = self.interval > self.base
-            now = time.monotonic()
+            now = loop.time()
             samples += 1
             busy = None
             if samples % BUSY_WINDOW == 0:
                 cpu = time.process_time()
                 busy = (cpu - cpu_start) / max(now - window_start, 1e-6)
                 cpu_start, window_start = cpu, now
-            self.observe(loop.time() - due, busy)
+            self.observe(now - due, busy)
             if paced and self.metrics is not None:
                 self.metrics.paced_seconds.inc(now - last)
             last = now
