@@ -4,10 +4,18 @@
 
 Each sequence holds ``--context`` tokens of KV; a step feeds one token per sequence. MBU is
 (weight bytes + KV bytes read) / step time, against the measured device copy bandwidth.
+
+``--tp-shard N`` times what one GPU of an N-way tensor-parallel decode would run: a preset with
+its query and KV heads and its MLP width divided by N (embedding and LM head whole, as when
+each rank samples). pdserve has no tensor parallelism; the all-reduces such a step would add (two
+a layer) are not timed, so this is the step's floor, for estimating what N GPUs could give.
+
+    python bench/decode.py --model llama3-8b --tp-shard 2 --batch-sizes 64,128 --context 900
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -24,6 +32,7 @@ from pdserve.engine.batch import SeqInput  # noqa: E402
 from pdserve.engine.cuda_graph import PADDING_ROW  # noqa: E402
 from pdserve.engine.runner import ModelRunner  # noqa: E402
 from pdserve.engine.sampling import sample  # noqa: E402
+from pdserve.models.presets import PRESETS  # noqa: E402
 from pdserve.sampling_params import SampleRow, SamplingParams  # noqa: E402
 
 
@@ -54,6 +63,27 @@ def _host_breakdown(runner: ModelRunner, seqs: list[SeqInput], params: list[Samp
     return {key: round(v / iters * 1e6, 1) for key, v in parts.items()}
 
 
+def tp_shard(preset: str, ways: int) -> str:
+    """The name of a preset holding one rank's share of ``preset`` split ``ways`` ways (heads
+    and MLP width divided), declared on first use; ValueError where it does not divide."""
+    if ways == 1:
+        return preset
+    if preset not in PRESETS:
+        raise ValueError(f"--tp-shard needs a preset model ({', '.join(PRESETS)}), "
+                         f"not {preset!r}")
+    base = PRESETS[preset]
+    if ways < 2 or any(n % ways for n in (base.num_heads, base.num_kv_heads,
+                                          base.intermediate_size)):
+        raise ValueError(f"--tp-shard {ways}: {preset}'s {base.num_heads} query heads, "
+                         f"{base.num_kv_heads} KV heads and MLP width "
+                         f"{base.intermediate_size} must divide by it")
+    name = f"{preset}-tp{ways}-shard"
+    PRESETS.setdefault(name, dataclasses.replace(
+        base, name=name, num_heads=base.num_heads // ways,
+        num_kv_heads=base.num_kv_heads // ways, intermediate_size=base.intermediate_size // ways))
+    return name
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama3-8b")
@@ -65,11 +95,17 @@ def main() -> None:
                         help="RoPE and the K/V store as separate kernels (for comparison)")
     parser.add_argument("--cublas-gemv", action="store_true",
                         help="batch-1 linear layers through cuBLAS, not the Triton GEMV")
+    parser.add_argument("--tp-shard", type=int, default=1, metavar="N",
+                        help="time one rank of an N-way tensor-parallel split of a preset")
     parser.add_argument("--out", default="bench/results/decode.json")
     args = parser.parse_args()
+    try:
+        model = tp_shard(args.model, args.tp_shard)
+    except ValueError as e:
+        parser.error(str(e))
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     pages_per_seq = -(-(args.context + 1) // args.page_size)
-    runner = ModelRunner(EngineConfig(model=args.model, page_size=args.page_size,
+    runner = ModelRunner(EngineConfig(model=model, page_size=args.page_size,
                                       num_pages=max(sizes) * pages_per_seq + 64,
                                       cuda_graph_max_bs=max(sizes),
                                       fused_rope_kv=not args.unfused_rope_kv,
@@ -111,7 +147,7 @@ def main() -> None:
               f" | eager {result['eager']['step_ms']:8.3f} ms | x{result['graph_speedup']}")
     floor_ms = weight_bytes / bandwidth * 1e3
     write_results(args.out, "decode", {
-        "model": args.model, "context": args.context, "page_size": args.page_size,
+        "model": model, "tp_shard": args.tp_shard, "context": args.context, "page_size": args.page_size,
         "attention_backend": runner.backend_name, "layer_kernels": runner.model.ops.name,
         "fused_rope_kv": runner.model.fuse_rope_kv, "triton_gemv": runner.model.use_gemv,
         "weight_bytes": weight_bytes, "copy_bandwidth_bytes_per_s": bandwidth,

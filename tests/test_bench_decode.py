@@ -1,0 +1,63 @@
+"""`bench/decode.py --tp-shard N`: the preset it times is one rank's share of a tensor-parallel
+split (heads and MLP width divided, embedding and LM head whole), a model pdserve loads and
+runs; a split that does not divide is one line and exit code 2."""
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdserve.config import EngineConfig
+from pdserve.engine.batch import SeqInput
+from pdserve.engine.runner import ModelRunner
+from pdserve.models.presets import PRESETS
+
+SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "decode.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_decode", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def presets_restored():
+    """The shards a test declares leave the presets with it."""
+    before = dict(PRESETS)
+    yield
+    PRESETS.clear()
+    PRESETS.update(before)
+
+
+def test_a_tensor_parallel_shard_divides_heads_and_mlp_and_runs(presets_restored):
+    bench = _bench()
+    assert bench.tp_shard("llama3-8b", 1) == "llama3-8b"
+    shard = PRESETS[bench.tp_shard("llama3-8b", 2)]
+    full = PRESETS["llama3-8b"]
+    assert (shard.num_heads, shard.num_kv_heads, shard.intermediate_size) == (16, 4, 7168)
+    assert (shard.hidden_size, shard.vocab_size, shard.num_layers, shard.head_dim) == (
+        full.hidden_size, full.vocab_size, full.num_layers, full.head_dim)
+    # The tiny preset's shard loads and decodes on the CPU: 2 query heads, 1 KV head.
+    name = bench.tp_shard("tiny", 2)
+    runner = ModelRunner(EngineConfig(model=name, device="cpu", num_pages=16), "decode")
+    assert runner.layout.num_kv_heads == 1
+    pages = runner.pool.allocator.alloc(2)
+    runner.forward([SeqInput([5, 6, 7], 0, pages[:1])])
+    logits = runner.forward([SeqInput([8], 3, pages[:1])])
+    assert logits.shape == (1, PRESETS["tiny"].vocab_size)
+    assert name in PRESETS
+
+
+def test_a_split_that_does_not_divide_is_one_line():
+    for flags, message in ((["--tp-shard", "3"], "--tp-shard 3: llama3-8b's 32 query heads"),
+                           (["--model", "/tmp", "--tp-shard", "2"],
+                            "--tp-shard needs a preset model")):
+        run = subprocess.run([sys.executable, str(SCRIPT), *flags], capture_output=True,
+                             text=True, timeout=120)
+        assert run.returncode == 2
+        assert message in run.stderr.strip().splitlines()[-1]
