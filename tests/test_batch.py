@@ -55,3 +55,17 @@ def test_staging_ring_packs_arrays_of_any_dtype_into_one_upload_and_reuses_its_b
     assert big[0].tolist() == list(range(8)) and big[1].tolist() == [0, 1, 2]
     assert arange_on(torch.device("cpu"), 5).tolist() == [0, 1, 2, 3, 4]
     assert arange_on(torch.device("cpu"), 3000, torch.int32)[-1].item() == 2999
+
+
+def test_host_lengths_give_flashinfer_plan_what_a_tensor_gives():
+    """What FlashInfer's plan() does with the sequence lengths: .cpu(), Python's max() and
+    .item(), and handing them to its kernels as a tensor."""
+    from pdserve.attention.fi import HostLengths
+
+    lens = torch.tensor([5, 917, 3, 64], dtype=torch.int32)
+    host = lens.as_subclass(HostLengths)
+    assert host.cpu() is host
+    assert max(host.cpu()).item() == max(lens).item() == 917
+    assert [int(x) for x in host] == lens.tolist()
+    assert type(host + 1) is torch.Tensor and torch.equal(host + 1, lens + 1)
+    assert host.data_ptr() == lens.data_ptr() and host.dtype == torch.int32
