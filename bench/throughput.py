@@ -13,6 +13,7 @@ decode stepped, yielded or waited.
     python bench/throughput.py --model /tmp/q06 --up-args "--kv-cache-gb 40"
     python bench/throughput.py --model /tmp/q06 --up-args "--prefill-devices cuda:0 --decode-devices cuda:1"
     python bench/throughput.py --model /tmp/q06 --peer-json minisgl.json   # adds the ratio
+    python bench/throughput.py --model /tmp/q06 --shard 0/2 --peer-json peer.json   # peer_minisgl.py --runs all,0/2
     python bench/throughput.py --model /tmp/q06 --repeats 3   # the median of three runs
     python bench/throughput.py --model /tmp/q06 --api both   # gRPC, then the OpenAI HTTP API
                                                              # (SSE) on the same cluster
@@ -200,6 +201,23 @@ def run_clients(router: str, prompts: list[list[int]], outputs: list[int], tempe
     return rows, max(r["end"] for r in rows) - started, started
 
 
+def peer_figure(peer: dict, share: str) -> float:
+    """The peer's output tok/s for ``share`` ("all" or "K/N") from ``--peer-json``: the figure
+    of `../shared/peers/minisgl_bench.py`'s JSON, or, from `bench/peer_minisgl.py`'s, the median
+    of its runs of that share after its first run (a throwaway). ValueError if it has none."""
+    if not isinstance(peer, dict):
+        raise ValueError("not a JSON object")
+    if "throughput_tok_s" in peer:
+        return float(peer["throughput_tok_s"])
+    runs = peer.get("runs")
+    if not isinstance(runs, list):
+        raise ValueError("neither a throughput_tok_s nor runs")
+    figures = [r["throughput_tok_s"] for r in runs[1:] if r.get("run") == share]
+    if not figures:
+        raise ValueError(f"no run of {share!r} after the first (a throwaway)")
+    return float(statistics.median(figures))
+
+
 def model_vocab(router: str) -> int:
     import grpc
 
@@ -348,8 +366,9 @@ def main() -> None:
     parser.add_argument("--up-args", default="", help="more flags for pdserve up")
     parser.add_argument("--router", default="", help="use this running router instead of "
                         "starting pdserve up (no decode metrics then)")
-    parser.add_argument("--peer-json", default="", help="the peer's figure from the same run "
-                        "(../shared/peers/minisgl_bench.py's JSON), for the ratio")
+    parser.add_argument("--peer-json", default="", help="the peer's figure from the same run, "
+                        "for the ratio: ../shared/peers/minisgl_bench.py's JSON, or "
+                        "bench/peer_minisgl.py's (its runs of the same share after the first)")
     parser.add_argument("--api", default="grpc", choices=("grpc", "http", "both"),
                         help="the public API the clients use (both: gRPC, then HTTP, on the "
                         "same cluster, with the ratio)")
@@ -377,8 +396,12 @@ def main() -> None:
             shard = parse_shard(args.shard)
         except ValueError as e:
             parser.error(f"--shard {args.shard}: {e}")
-    if args.peer_json and not Path(args.peer_json).is_file():
-        parser.error(f"--peer-json {args.peer_json}: no such file")
+    if args.peer_json:
+        try:
+            args.peer_tok_s = peer_figure(json.loads(Path(args.peer_json).read_text()),
+                                          args.shard or "all")
+        except (OSError, ValueError) as e:
+            parser.error(f"--peer-json {args.peer_json}: {e}")
     if args.no_stream and args.api != "grpc":
         parser.error("--no-stream is for --api grpc")
     if args.repeats < 1:
@@ -527,9 +550,9 @@ def _row(args: argparse.Namespace, api: str, results: list[dict], wall_s: float,
                          # seconds each streamed more tokens a message than asked (behind)
                          "paced_s_each": [round(paced, 2) for _, _, paced in routers]}
     if args.peer_json:
-        peer = json.loads(Path(args.peer_json).read_text())
-        row["peer"] = peer
-        row["ratio_to_peer"] = round(row["throughput_tok_s"] / peer["throughput_tok_s"], 3)
+        row["peer"] = json.loads(Path(args.peer_json).read_text())
+        row["peer_tok_s"] = args.peer_tok_s
+        row["ratio_to_peer"] = round(row["throughput_tok_s"] / args.peer_tok_s, 3)
     print(json.dumps(row), flush=True)
     if tokens != expected:
         print(f"warning: {api}: {tokens} tokens generated, {expected} requested",

@@ -14,16 +14,24 @@ SCRIPT = str(ROOT / "bench" / "throughput.py")
 
 def test_a_shard_of_the_workload_through_pdserve_up(tmp_path):
     out = tmp_path / "throughput.json"
+    # The peer's figure as bench/peer_minisgl.py writes it: its first run (a throwaway) and
+    # runs of other shares do not count.
+    peer = tmp_path / "peer.json"
+    peer.write_text(json.dumps({"startup_s": 1.0, "runs": [
+        {"run": "1/2", "throughput_tok_s": 1.0}, {"run": "all", "throughput_tok_s": 5.0},
+        {"run": "1/2", "throughput_tok_s": 100.0}, {"run": "1/2", "throughput_tok_s": 300.0}]}))
     run = subprocess.run([sys.executable, SCRIPT, "--model", "tiny", "--num-seqs", "8",
                           "--max-input", "128", "--max-output", "100", "--warmup-seqs", "2",
                           "--clients", "2", "--shard", "1/2", "--up-args", "--stream-interval 4",
-                          "--out", str(out)],
+                          "--peer-json", str(peer), "--out", str(out)],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
     row = json.loads(out.read_text())
     # Requests 1, 3, 5 and 7 of the draw: 100 output tokens each at --max-output 100.
     assert (row["seqs"], row["shard"], row["output_tokens_expected"]) == (4, "1/2", 400)
     assert row["output_tokens"] == 400
+    assert row["peer_tok_s"] == 200.0
+    assert row["ratio_to_peer"] == round(row["throughput_tok_s"] / 200.0, 3)
     assert row["decode"]["steps"] > 0 and row["ttft_ms"]["p50"] > 0
     router = row["router"]
     assert len(router["cpu_s_each"]) == len(router["paced_s_each"]) == router["processes"]
@@ -32,11 +40,17 @@ def test_a_shard_of_the_workload_through_pdserve_up(tmp_path):
     assert row["stream"] and 3.8 <= row["tokens_per_message"] <= 100 / 2
 
 
-def test_wrong_flags_are_one_line():
+def test_wrong_flags_are_one_line(tmp_path):
+    other_shares = tmp_path / "peer.json"
+    other_shares.write_text(json.dumps({"runs": [{"run": "0/2", "throughput_tok_s": 1.0},
+                                                 {"run": "all", "throughput_tok_s": 2.0}]}))
     for flags, message in ((["--shard", "2/2"], "--shard 2/2: K must be at least 0 and below N"),
                            (["--max-input", "40"], "--max-input and --max-output must be at "
                                                    "least 100"),
-                           (["--no-stream", "--api", "http"], "--no-stream is for --api grpc")):
+                           (["--no-stream", "--api", "http"], "--no-stream is for --api grpc"),
+                           (["--peer-json", "/nonexistent.json"], "--peer-json /nonexistent.json:"),
+                           (["--peer-json", str(other_shares), "--shard", "0/2"],
+                            "no run of '0/2' after the first (a throwaway)")):
         run = subprocess.run([sys.executable, SCRIPT, *flags], capture_output=True, text=True,
                              timeout=120, cwd=ROOT)
         assert run.returncode == 2
