@@ -78,7 +78,7 @@ class EngineConfig(ModelSource):
                                "Chrome trace JSON) of the steps --profile-steps names into this "
                                "folder, one file per worker, then go on serving")
     profile_steps: str = setting("10:20", "the steps --profile-dir traces: FIRST:COUNT, counted "
-                                 "from the worker's start")
+                                 "from the worker's first served step (0)")
 
 
 @dataclass

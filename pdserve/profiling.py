@@ -2,9 +2,10 @@
 where a served step's time goes: the host's ops and the GPU's kernels on one timeline.
 
 The trace covers steps FIRST to FIRST + COUNT - 1 (``--profile-steps``, counted from the worker's
-start), is written as Chrome trace JSON (open it in Perfetto or chrome://tracing) and the worker
-goes on serving; a worker that stops first writes the steps it traced. Started and stopped on
-the thread that launches steps.
+first served step, 0), is written as Chrome trace JSON (open it in Perfetto or chrome://tracing)
+and the worker goes on serving; a worker that stops first writes the steps it traced. Started
+and stopped on the thread that launches steps (Kineto, on a GPU, refuses to stop a trace on
+another thread): a prefill worker's warm-up at start, on the main thread, is not a step.
 """
 from __future__ import annotations
 

@@ -285,6 +285,23 @@ def test_tiny_on_gpu_agrees_with_the_cpu_path():
         stop_cluster(cluster)
 
 
+def test_traces_from_the_first_step_are_written_at_stop(tmp_path, capfd):
+    """--profile-steps 0:N on the GPU: a prefill worker's warm-up at start (on the main thread)
+    is not step 0, so the trace is started and stopped on the thread that serves. Kineto
+    refuses to stop a trace on another thread than its own: the prefill worker raised at stop
+    and wrote nothing."""
+    cluster = start_cluster(["--device", "cuda", "--profile-dir", str(tmp_path),
+                             "--profile-steps", "0:1000"])
+    try:
+        generate(cluster.stub(), token_ids=generate_pb2.TokenIds(ids=[5, 6, 7]),
+                 sampling=generate_pb2.SamplingParams(max_new_tokens=8, ignore_eos=True))
+    finally:
+        assert stop_cluster(cluster) == 0
+    assert "Traceback" not in capfd.readouterr().err
+    assert [bool(list(tmp_path.glob(f"{role}-*.json"))) for role in ("prefill", "decode")] == [
+        True, True]
+
+
 def test_copy_kernel_moves_random_pages_bit_exactly():
     from kv_transfer.copy_kernel import copy_pages
 

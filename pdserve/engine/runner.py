@@ -216,17 +216,22 @@ class ModelRunner:
             done.record()
         return LaunchedStep(host, done, mode)
 
+    @torch.inference_mode()
     def warm_up(self, num_tokens: int) -> None:
-        """On a GPU, one throwaway step of a ``num_tokens`` prompt, so that the first request
-        served does not wait for the step's JIT compiles (Triton) and kernel choices (cuBLAS,
-        attention)."""
+        """On a GPU, one throwaway forward and sampling of a ``num_tokens`` prompt, so that the
+        first request served does not wait for the step's JIT compiles (Triton) and kernel
+        choices (cuBLAS, attention). Not a step: ``--profile-steps`` counts served steps, all
+        of them launched on the thread that serves (a trace is started and stopped on one)."""
         if self.device.type != "cuda":
             return
         num_tokens = min(num_tokens, self.model_config.max_model_len,
                          self.pool.allocator.num_free * self.pool.page_size)
         pages = self.pool.allocator.alloc(self.pool.pages_for(num_tokens))
         try:
-            self.step([SeqInput([0] * num_tokens, 0, pages)], [SampleRow(SamplingParams(), 0)])
+            with self.on_device():
+                sample(self.forward([SeqInput([0] * num_tokens, 0, pages)]),
+                       [SampleRow(SamplingParams(), 0)])
+                torch.cuda.synchronize(self.device)
         finally:
             self.pool.allocator.free(pages)
 
