@@ -33,9 +33,10 @@ TENSOR_CORE_MIN_BATCH = 64
 class HostLengths(torch.Tensor):
     """Sequence lengths on the host as FlashInfer's ``plan()`` takes them, iterated as numpy
     scalars. FlashInfer 0.5.3's tensor-core decode plan takes their maximum with Python's
-    ``max()``, which walks a tensor element by element, a comparison op per row: about 0.1 ms of
-    the decode loop's host time a step at batch 64 on an H200 host (py-spy), more at larger
-    batches. Every torch op on one returns a plain tensor."""
+    ``max()``, which walks a tensor element by element, a comparison op per row: on an H200
+    host a decode launch at batch 256 took 1.5-2.0 ms of host time that way and 0.85-0.92 ms
+    with these (`bench/decode_host.py`, bench/reference/h200/tp-shard-and-host). Every torch op
+    on one returns a plain tensor."""
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
