@@ -147,7 +147,8 @@ def main() -> None:
               f" | eager {result['eager']['step_ms']:8.3f} ms | x{result['graph_speedup']}")
     floor_ms = weight_bytes / bandwidth * 1e3
     write_results(args.out, "decode", {
-        "model": model, "tp_shard": args.tp_shard, "context": args.context, "page_size": args.page_size,
+        "model": model, "tp_shard": args.tp_shard, "context": args.context,
+        "page_size": args.page_size,
         "attention_backend": runner.backend_name, "layer_kernels": runner.model.ops.name,
         "fused_rope_kv": runner.model.fuse_rope_kv, "triton_gemv": runner.model.use_gemv,
         "weight_bytes": weight_bytes, "copy_bandwidth_bytes_per_s": bandwidth,

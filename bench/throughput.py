@@ -13,7 +13,8 @@ decode stepped, yielded or waited.
     python bench/throughput.py --model /tmp/q06 --up-args "--kv-cache-gb 40"
     python bench/throughput.py --model /tmp/q06 --up-args "--prefill-devices cuda:0 --decode-devices cuda:1"
     python bench/throughput.py --model /tmp/q06 --peer-json minisgl.json   # adds the ratio
-    python bench/throughput.py --model /tmp/q06 --shard 0/2 --peer-json peer.json   # peer_minisgl.py --runs all,0/2
+    python bench/throughput.py --model /tmp/q06 --shard 0/2 --peer-json peer.json   # the peer's
+                                                   # bench/peer_minisgl.py --runs all,0/2 JSON
     python bench/throughput.py --model /tmp/q06 --repeats 3   # the median of three runs
     python bench/throughput.py --model /tmp/q06 --api both   # gRPC, then the OpenAI HTTP API
                                                              # (SSE) on the same cluster
