@@ -399,8 +399,8 @@ def main() -> None:
             parser.error(f"--shard {args.shard}: {e}")
     if args.peer_json:
         try:
-            args.peer_tok_s = peer_figure(json.loads(Path(args.peer_json).read_text()),
-                                          args.shard or "all")
+            args.peer = json.loads(Path(args.peer_json).read_text())
+            args.peer_tok_s = peer_figure(args.peer, args.shard or "all")
         except (OSError, ValueError) as e:
             parser.error(f"--peer-json {args.peer_json}: {e}")
     if args.no_stream and args.api != "grpc":
@@ -551,7 +551,7 @@ def _row(args: argparse.Namespace, api: str, results: list[dict], wall_s: float,
                          # seconds each streamed more tokens a message than asked (behind)
                          "paced_s_each": [round(paced, 2) for _, _, paced in routers]}
     if args.peer_json:
-        row["peer"] = json.loads(Path(args.peer_json).read_text())
+        row["peer"] = args.peer
         row["peer_tok_s"] = args.peer_tok_s
         row["ratio_to_peer"] = round(row["throughput_tok_s"] / args.peer_tok_s, 3)
     print(json.dumps(row), flush=True)
