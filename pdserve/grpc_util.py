@@ -29,9 +29,20 @@ CHANNEL_OPTIONS = [
 ]
 
 
+# How soon a channel tries again after its peer refused or dropped the connection. gRPC's default
+# backoff grows from 1 s to 120 s: a router kept probing a worker that was down for a minute (a
+# worker restarted by `up`, a pod rescheduled) found it again only tens of seconds after it
+# served, and `up` saw a starting worker ready seconds late. Between our own processes a refused
+# connect costs next to nothing, so the wait stays at most a second.
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
 def channel(address: str, identity: Identity | None = None) -> grpc.aio.Channel:
     """A channel to another pdserve process, with ``identity``'s credentials if given."""
-    return (identity or Identity()).dial(address, CHANNEL_OPTIONS)
+    return (identity or Identity()).dial(address, [*CHANNEL_OPTIONS, *RECONNECT_OPTIONS])
 
 
 class MalformedRequest:

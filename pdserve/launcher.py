@@ -37,6 +37,7 @@ from pdserve.config import (
     ServerConfig,
 )
 from pdserve.errors import ConfigError
+from pdserve.grpc_util import RECONNECT_OPTIONS
 from pdserve.serving import LAUNCHER_PID_ENV, worker_id
 from pdserve.settings import from_args, to_argv
 
@@ -301,14 +302,16 @@ def _start(role: str, host: str, port: int, metrics: PortPicker | None, extra: l
 
 def _wait_serving(child: Child, deadline: float, stopping: list[bool],
                   secrets: ClusterSecrets) -> None:
+    # Polled from before the child listens: without RECONNECT_OPTIONS the channel's backoff
+    # would grow while it starts and see it serving seconds (on a GPU, tens of seconds) late.
     if child.health_address:   # routers sharing a port: each answers on its own health port
-        channel = grpc.insecure_channel(child.health_address)
+        channel = grpc.insecure_channel(child.health_address, options=RECONNECT_OPTIONS)
     elif secrets.ca_file:
         credentials = grpc.ssl_channel_credentials(
             *(Path(f).read_bytes() for f in (secrets.ca_file, secrets.key_file, secrets.cert_file)))
-        channel = grpc.secure_channel(child.address, credentials)
+        channel = grpc.secure_channel(child.address, credentials, options=RECONNECT_OPTIONS)
     else:
-        channel = grpc.insecure_channel(child.address)
+        channel = grpc.insecure_channel(child.address, options=RECONNECT_OPTIONS)
     with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:

@@ -37,8 +37,11 @@ def load_model(model: str, dtype: str, device: torch.device, seed: int = 0,
     torch_dtype = resolve_dtype(dtype, config)
     with torch.device("meta"):
         net = CausalLM(config)
-    # The dtype first, on meta: the device never holds a float32 copy of the weights.
-    net = net.to(torch_dtype).to_empty(device=device)
+    # The dtype first, on meta: the device never holds a float32 copy of the weights. Then
+    # storage on the device, uninitialised (what to_empty does, without the meta tensors'
+    # empty_like, whose first call imports sympy: half a second of every worker's start).
+    net = net.to(torch_dtype)._apply(
+        lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     if Path(model).is_dir():
         _load_safetensors(net, Path(model))
     else:
