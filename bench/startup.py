@@ -7,7 +7,7 @@ Each run starts `up` afresh and reads the processes' own log lines (INFO), timed
 the last worker serving, the router ready, `up` ready. Then it kills the first worker of
 ``--kill`` (SIGKILL, as a crash) and times, from the kill, the new process serving, `up`
 announcing the restart and the router finding the worker healthy again. Writes every run and
-the medians as JSON.
+the medians as JSON; with ``--log``, each run's lines too (where a slow start spends its time).
 """
 from __future__ import annotations
 
@@ -70,7 +70,8 @@ class Lines:
             return [t for t, line in self.lines if re.search(pattern, line)]
 
 
-def one_run(model: str, up_args: list[str], kill: str, timeout_s: float) -> dict[str, float]:
+def one_run(model: str, up_args: list[str], kill: str, timeout_s: float,
+            log: Path | None = None) -> dict[str, float]:
     t0 = time.monotonic()
     process = subprocess.Popen(
         [sys.executable, "-m", "pdserve", "up", "--port", str(free_port()), "--model", model,
@@ -99,6 +100,8 @@ def one_run(model: str, up_args: list[str], kill: str, timeout_s: float) -> dict
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+        if log is not None:
+            log.write_text("".join(f"{t:8.2f}  {line}\n" for t, line in list(out.lines)))
 
 
 def main() -> None:
@@ -110,6 +113,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="runs, each a fresh `up`")
     parser.add_argument("--timeout-s", type=float, default=600.0,
                         help="longest wait for any one event")
+    parser.add_argument("--log", default="",
+                        help="write each run's output, every line with its time, to LOG.<run>")
     parser.add_argument("--out", default="bench-startup.json")
     args = parser.parse_args()
     if args.repeats < 1:
@@ -117,7 +122,8 @@ def main() -> None:
     runs = []
     for i in range(args.repeats):
         try:
-            runs.append(one_run(args.model, shlex.split(args.up_args), args.kill, args.timeout_s))
+            runs.append(one_run(args.model, shlex.split(args.up_args), args.kill, args.timeout_s,
+                                Path(f"{args.log}.{i + 1}") if args.log else None))
         except RuntimeError as err:
             sys.exit(f"bench/startup.py: run {i + 1}: {err}")
         print(runs[-1], flush=True)

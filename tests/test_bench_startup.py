@@ -14,6 +14,7 @@ SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "startup.py"
 def test_startup_and_a_crashed_workers_return_are_timed(tmp_path):
     out = tmp_path / "startup.json"
     done = subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny", "--out", str(out),
+                           "--log", str(tmp_path / "up.log"),
                            "--up-args", "--num-pages 256 --torch-threads 1 --routers 1"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -27,6 +28,9 @@ def test_startup_and_a_crashed_workers_return_are_timed(tmp_path):
     # `up` starts the router only once the workers serve (a log line and a health status set
     # microseconds apart in another process: only this order is certain).
     assert run["last_worker_serving_s"] < run["ready_s"]
+    log = (tmp_path / "up.log.1").read_text().splitlines()
+    assert any(line.split(None, 1)[1].startswith("pdserve ready") for line in log)
+    assert any("(restarted)" in line for line in log)
 
 
 def test_a_model_that_does_not_exist_is_ups_own_line(tmp_path):
