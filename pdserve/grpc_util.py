@@ -40,9 +40,34 @@ RECONNECT_OPTIONS = [
 ]
 
 
+# A peer that stops answering without closing its connections (a frozen process, a host that
+# left the network, a node gone NotReady) sends no error: streams to it would wait for their
+# deadlines, or for ever. The channel pings it after KEEPALIVE_S without a word from it, and
+# closes the connection when any ping (its own, or gRPC's bandwidth probes, whose default wait
+# is a minute) goes unanswered for KEEPALIVE_S; every call on it then fails UNAVAILABLE, and the
+# router moves its requests as it does for a worker that died. Pings are answered by gRPC's own
+# threads, not by the Python that a busy step holds.
+KEEPALIVE_S = 10
+KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_time_ms", KEEPALIVE_S * 1000),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_S * 1000),
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_S * 1000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+# What a server lets those pings through with (by default it takes pings without data more often
+# than every 5 minutes as abuse, and closes the connection).
+ACCEPT_KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_S * 1000 // 2),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+
+
 def channel(address: str, identity: Identity | None = None) -> grpc.aio.Channel:
     """A channel to another pdserve process, with ``identity``'s credentials if given."""
-    return (identity or Identity()).dial(address, [*CHANNEL_OPTIONS, *RECONNECT_OPTIONS])
+    return (identity or Identity()).dial(
+        address, [*CHANNEL_OPTIONS, *RECONNECT_OPTIONS, *KEEPALIVE_OPTIONS])
 
 
 class MalformedRequest:
@@ -100,6 +125,7 @@ class Server:
             interceptors=identity.server_interceptors(internal),
             options=[*(o for o in CHANNEL_OPTIONS if o[0] != "grpc.max_receive_message_length"),
                      ("grpc.max_receive_message_length", max_receive_bytes),
+                     *ACCEPT_KEEPALIVE_OPTIONS,
                      # A busy port is an error, not a port shared with another process (grpc
                      # sets SO_REUSEPORT by default: a second server would take half the calls),
                      # unless this process is one of several routers sharing it on purpose.
