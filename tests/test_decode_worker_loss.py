@@ -7,6 +7,7 @@ import signal
 import time
 
 import grpc
+import pytest
 from conftest import start_roles
 
 from pdserve.engine import local
@@ -31,72 +32,42 @@ def _all_free(address: str, timeout_s: float) -> worker_pb2.WorkerInfo:
             time.sleep(0.05)
 
 
-def test_stream_survives_losing_its_decode_worker(tiny_runner):
+@pytest.mark.parametrize("fault", ["killed", "frozen"])
+def test_stream_survives_losing_its_decode_worker(tiny_runner, fault):
+    """``killed``: SIGKILL, the connection drops at once. ``frozen``: SIGSTOP, the connection
+    stays open and silent until the router's keepalive gives up on it."""
     cluster = start_roles(["prefill", "decode", "decode"])
+    lost = None
     try:
-        prompt = list(b"resume me elsewhere")
-        settings = dict(max_new_tokens=400, temperature=0.8, top_k=40, seed=7)
-        request = generate_pb2.GenerateRequest(
-            token_ids=generate_pb2.TokenIds(ids=prompt), stream=True,
-            sampling=generate_pb2.SamplingParams(ignore_eos=True, **settings))
-        tokens, killed = [], None
-        for response in cluster.stub().Generate(request, timeout=120):
-            tokens += response.token_ids
-            if killed is None and len(tokens) >= 20:
-                killed = next(n for n in ("decode0", "decode1")
-                              if _running(cluster.addresses[n]) > 0)
-                cluster.processes[killed].send_signal(signal.SIGKILL)
-            last = response
-        assert killed is not None
-        assert last.finish_reason == generate_pb2.FINISH_REASON_LENGTH
-        assert last.usage.completion_tokens == 400
-        assert tokens == local.generate(tiny_runner, prompt, SamplingParams(**settings))
-        survivor = "decode1" if killed == "decode0" else "decode0"
-        with grpc.insecure_channel(cluster.addresses[survivor]) as ch:
-            stub = decode_pb2_grpc.DecodeServiceStub(ch)
-            deadline = time.monotonic() + 10
-            while True:
-                info = stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=5)
-                if info.free_pages == info.total_pages or time.monotonic() > deadline:
-                    break
-                time.sleep(0.05)
-        assert info.free_pages == info.total_pages
-    finally:
-        cluster.stop()
-
-
-def test_stream_survives_a_frozen_decode_worker(tiny_runner):
-    cluster = start_roles(["prefill", "decode", "decode"])
-    frozen = None
-    try:
-        prompt = list(b"resume me after a freeze")
-        settings = dict(max_new_tokens=300, temperature=0.8, top_k=40, seed=11)
+        prompt = list(f"resume me elsewhere ({fault})".encode())
+        settings = dict(max_new_tokens=300, temperature=0.8, top_k=40, seed=7)
         request = generate_pb2.GenerateRequest(
             token_ids=generate_pb2.TokenIds(ids=prompt), stream=True,
             sampling=generate_pb2.SamplingParams(ignore_eos=True, **settings))
         tokens = []
-        # Without keepalive the stream would wait on the frozen worker until a ping of gRPC's
-        # own timed out (a minute, if one was in flight) or for ever: the deadline says "sooner".
+        # Without keepalive a frozen worker's stream would wait for a ping of gRPC's own to time
+        # out (a minute, if one was in flight) or for ever: the deadline says "sooner".
         for response in cluster.stub().Generate(request, timeout=50):
             tokens += response.token_ids
-            if frozen is None and len(tokens) >= 20:
-                frozen = next(n for n in ("decode0", "decode1")
-                              if _running(cluster.addresses[n]) > 0)
-                cluster.processes[frozen].send_signal(signal.SIGSTOP)
+            if lost is None and len(tokens) >= 20:
+                lost = next(n for n in ("decode0", "decode1")
+                            if _running(cluster.addresses[n]) > 0)
+                cluster.processes[lost].send_signal(
+                    signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
             last = response
-        assert frozen is not None
+        assert lost is not None
         assert last.finish_reason == generate_pb2.FINISH_REASON_LENGTH
         assert last.usage.completion_tokens == 300
         assert tokens == local.generate(tiny_runner, prompt, SamplingParams(**settings))
-        survivor = "decode1" if frozen == "decode0" else "decode0"
+        survivor = "decode1" if lost == "decode0" else "decode0"
         info = _all_free(cluster.addresses[survivor], 10)
         assert info.free_pages == info.total_pages
-        # Woken, the frozen worker finds its stream gone and frees what the request held there.
-        cluster.processes[frozen].send_signal(signal.SIGCONT)
-        frozen = None
-        info = _all_free(cluster.addresses["decode0" if survivor == "decode1" else "decode1"], 30)
-        assert info.free_pages == info.total_pages and info.leaked_pages == 0
+        if fault == "frozen":   # woken, it finds its stream gone and frees what the request held
+            cluster.processes[lost].send_signal(signal.SIGCONT)
+            info = _all_free(cluster.addresses[lost], 30)
+            assert info.free_pages == info.total_pages and info.leaked_pages == 0
+        lost = None
     finally:
-        if frozen is not None:
-            cluster.processes[frozen].send_signal(signal.SIGCONT)
+        if lost is not None and fault == "frozen":
+            cluster.processes[lost].send_signal(signal.SIGCONT)
         cluster.stop()
