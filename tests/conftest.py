@@ -249,6 +249,16 @@ class RoleProcesses:
         return {name: self.worker_info_of(name).leaked_pages for name in self.addresses
                 if self.processes[name].poll() is None}
 
+    def wait_at_rest(self, names: list[str], timeout_s: float = 30.0
+                     ) -> dict[str, worker_pb2.WorkerInfo]:
+        """The named workers' infos once each has its pages at rest (or at ``timeout_s``)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            infos = {name: self.worker_info_of(name) for name in names}
+            if all(pages_at_rest(i) for i in infos.values()) or time.monotonic() > deadline:
+                return infos
+            time.sleep(0.05)
+
     def stop(self) -> None:
         """Stops every process; fails if a live worker leaked pages."""
         try:

@@ -4,32 +4,13 @@ nothing), once the router's channel finds the worker no longer answers its pings
 from __future__ import annotations
 
 import signal
-import time
 
-import grpc
 import pytest
-from conftest import start_roles
+from conftest import pages_at_rest, start_roles
 
 from pdserve.engine import local
 from pdserve.sampling_params import SamplingParams
-from protos.pdserve.v1 import decode_pb2_grpc, generate_pb2, worker_pb2
-
-
-def _running(address: str) -> int:
-    with grpc.insecure_channel(address) as ch:
-        return decode_pb2_grpc.DecodeServiceStub(ch).GetWorkerInfo(
-            worker_pb2.GetWorkerInfoRequest(), timeout=5).running_requests
-
-
-def _all_free(address: str, timeout_s: float) -> worker_pb2.WorkerInfo:
-    with grpc.insecure_channel(address) as ch:
-        stub = decode_pb2_grpc.DecodeServiceStub(ch)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            info = stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=5)
-            if info.free_pages == info.total_pages or time.monotonic() > deadline:
-                return info
-            time.sleep(0.05)
+from protos.pdserve.v1 import generate_pb2
 
 
 @pytest.mark.parametrize("fault", ["killed", "frozen"])
@@ -51,7 +32,7 @@ def test_stream_survives_losing_its_decode_worker(tiny_runner, fault):
             tokens += response.token_ids
             if lost is None and len(tokens) >= 20:
                 lost = next(n for n in ("decode0", "decode1")
-                            if _running(cluster.addresses[n]) > 0)
+                            if cluster.worker_info_of(n).running_requests > 0)
                 cluster.processes[lost].send_signal(
                     signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
             last = response
@@ -60,12 +41,10 @@ def test_stream_survives_losing_its_decode_worker(tiny_runner, fault):
         assert last.usage.completion_tokens == 300
         assert tokens == local.generate(tiny_runner, prompt, SamplingParams(**settings))
         survivor = "decode1" if lost == "decode0" else "decode0"
-        info = _all_free(cluster.addresses[survivor], 10)
-        assert info.free_pages == info.total_pages
+        assert pages_at_rest(cluster.wait_at_rest([survivor], 10)[survivor])
         if fault == "frozen":   # woken, it finds its stream gone and frees what the request held
             cluster.processes[lost].send_signal(signal.SIGCONT)
-            info = _all_free(cluster.addresses[lost], 30)
-            assert info.free_pages == info.total_pages and info.leaked_pages == 0
+            assert pages_at_rest(cluster.wait_at_rest([lost])[lost])
         lost = None
     finally:
         if lost is not None and fault == "frozen":

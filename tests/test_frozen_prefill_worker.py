@@ -13,13 +13,7 @@ from conftest import pages_at_rest, start_roles
 
 from pdserve.engine import local
 from pdserve.sampling_params import SamplingParams
-from protos.pdserve.v1 import generate_pb2, prefill_pb2_grpc, worker_pb2
-
-
-def _info(address: str) -> worker_pb2.WorkerInfo:
-    with grpc.insecure_channel(address) as ch:
-        return prefill_pb2_grpc.PrefillServiceStub(ch).GetWorkerInfo(
-            worker_pb2.GetWorkerInfoRequest(), timeout=5)
+from protos.pdserve.v1 import generate_pb2
 
 
 def test_a_request_survives_a_frozen_prefill_worker(tiny_runner):
@@ -48,7 +42,7 @@ def test_a_request_survives_a_frozen_prefill_worker(tiny_runner):
         deadline = time.monotonic() + 30
         while frozen is None and time.monotonic() < deadline and caller.is_alive():
             frozen = next((n for n in ("prefill0", "prefill1")
-                           if _info(cluster.addresses[n]).running_requests > 0), None)
+                           if cluster.worker_info_of(n).running_requests > 0), None)
         assert frozen is not None, "the prompt was never seen on a prefill worker"
         cluster.processes[frozen].send_signal(signal.SIGSTOP)
         caller.join(120)
@@ -56,12 +50,7 @@ def test_a_request_survives_a_frozen_prefill_worker(tiny_runner):
         assert outcome["tokens"] == local.generate(tiny_runner, prompt, SamplingParams(**settings))
         cluster.processes[frozen].send_signal(signal.SIGCONT)
         frozen = None
-        deadline = time.monotonic() + 30
-        while True:
-            infos = {n: cluster.worker_info_of(n) for n in ("prefill0", "prefill1", "decode0")}
-            if all(pages_at_rest(i) for i in infos.values()) or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
+        infos = cluster.wait_at_rest(["prefill0", "prefill1", "decode0"])
         assert all(pages_at_rest(i) for i in infos.values()), infos
     finally:
         if frozen is not None:
