@@ -1,8 +1,11 @@
 """GPU backends and CUDA graphs against the portable path (run on the GPU machine)."""
 from __future__ import annotations
 
+import os
 import random
 import re
+import subprocess
+import sys
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -111,6 +114,63 @@ def test_fused_rope_kv_kernel_matches_torch_ops(dtype, qk_norm):
     untouched = torch.ones(k_flat.shape[0], dtype=torch.bool, device=CUDA)
     untouched[slots] = False
     assert not k_flat[untouched].any() and not v_flat[untouched].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_norms_match_torch_ops(dtype):
+    from pdserve.models.ops import CudaOps, TorchOps
+
+    gen = torch.Generator(device=CUDA).manual_seed(6)
+    x = torch.randn(3, 7, 1024, device=CUDA, generator=gen).to(dtype)
+    residual = torch.randn(21, 1024, device=CUDA, generator=gen).to(dtype)
+    weight = (1 + torch.randn(1024, device=CUDA, generator=gen) / 4).to(dtype)
+    cuda, torch_ops = CudaOps(), TorchOps()
+    # Float32 statistics in both; sums in another order: within an ulp or two.
+    torch.testing.assert_close(cuda.rmsnorm(x, weight, 1e-6), torch_ops.rmsnorm(x, weight, 1e-6),
+                               atol=2e-2, rtol=2e-2)
+    expected = torch_ops.add_rmsnorm(x.view(21, 1024), residual, weight, 1e-5)
+    got = cuda.add_rmsnorm(x.view(21, 1024).clone(), residual.clone(), weight, 1e-5)
+    torch.testing.assert_close(got[1], expected[1], atol=0, rtol=0)  # the sum: one rounding
+    torch.testing.assert_close(got[0], expected[0], atol=2e-2, rtol=2e-2)
+
+
+# One process's first use of FlashInfer and of the layer kernels: a decode plan on CUDA cores
+# or on tensor cores (each a FlashInfer module nvcc builds once per machine) and the norms.
+_FIRST_USE = """
+import sys, torch
+from pdserve.attention.fi import import_flashinfer
+from pdserve.models.ops import CudaOps
+flashinfer, cuda = import_flashinfer(), torch.device("cuda")
+x = torch.randn(4, 1024, device=cuda, dtype=torch.bfloat16)
+CudaOps().add_rmsnorm(CudaOps().rmsnorm(x, x[0], 1e-6), x, x[0], 1e-6)
+workspace = torch.zeros(128 << 20, dtype=torch.uint8, device=cuda)
+for tensor_cores in sys.argv[1:]:
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        workspace, "NHD", use_tensor_cores=tensor_cores == "1")
+    wrapper.plan(torch.tensor([0, 1], dtype=torch.int32), torch.zeros(1, dtype=torch.int32,
+                 device=cuda), torch.ones(1, dtype=torch.int32), 8, 2, 128, 16,
+                 q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+"""
+
+
+def test_kernels_built_by_workers_starting_together_are_built_once(tmp_path):
+    """Two workers starting at once on a new machine build FlashInfer's decode modules (one
+    the CUDA-core kernel, one the tensor-core kernel) in one cache; a third process then loads
+    both as built, not building them again (FlashInfer 0.5's shared ninja log lost entries when
+    two builds ran at once, and every later worker on the machine rebuilt for about 30 s). The
+    norms build nothing: they are sgl_kernel's compiled kernels."""
+    env = {**os.environ, "FLASHINFER_WORKSPACE_BASE": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+
+    def first_use(*tensor_cores: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", _FIRST_USE, *tensor_cores], env=env)
+
+    together = [first_use("0"), first_use("1")]
+    assert [p.wait(timeout=900) for p in together] == [0, 0]
+    built = {so: so.stat().st_mtime_ns for so in tmp_path.rglob("*.so")}
+    assert sorted(so.name.split("_with_")[0] for so in built) == ["batch_decode", "batch_prefill"]
+    assert first_use("0", "1").wait(timeout=900) == 0
+    assert {so: so.stat().st_mtime_ns for so in tmp_path.rglob("*.so")} == built
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -8,6 +8,7 @@ with fixed device buffers, re-planned before every replay.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,43 @@ WORKSPACE_BYTES = 128 << 20
 # (llama3-8b) tensor cores won at every batch (77.9 against 131 us at 64).
 TENSOR_CORE_MIN_GROUP = 4
 TENSOR_CORE_MIN_BATCH = 64
+# FlashInfer before this version runs every JIT module's ninja in one build directory, with a
+# lock per module: two processes building different modules at once (a decode worker building
+# its CUDA-core kernel while another builds its tensor-core one, or the norm) lose each other's
+# entries in ninja's log there, and every later process on the machine rebuilds them (about 30 s
+# of nvcc per worker on an H200, for each restart too). 0.6.1 gives each module its own directory
+# (flashinfer-ai/flashinfer#2339); before it, pdserve's processes build one module at a time.
+OWN_BUILD_DIRS_SINCE = "0.6.1"
+
+
+def import_flashinfer() -> Any:
+    """``flashinfer``, its JIT builds taken one at a time by this machine's processes where its
+    version shares one build directory between modules."""
+    import flashinfer
+    from packaging.version import Version
+
+    if Version(flashinfer.__version__) < Version(OWN_BUILD_DIRS_SINCE):
+        _build_one_module_at_a_time()
+    return flashinfer
+
+
+def _build_one_module_at_a_time() -> None:
+    from filelock import FileLock
+    from flashinfer.jit import core
+
+    build_and_load = core.JitSpec.build_and_load
+    if getattr(build_and_load, "one_at_a_time", False):
+        return
+    lock_path = core.get_tmpdir() / "pdserve-one-build-at-a-time.lock"
+
+    @functools.wraps(build_and_load)
+    def one_at_a_time(spec: Any, *args: Any, **kwargs: Any) -> Any:
+        # A lock object per call: one object shared by two threads would let the second in.
+        with FileLock(lock_path, thread_local=False):
+            return build_and_load(spec, *args, **kwargs)
+
+    one_at_a_time.one_at_a_time = True  # type: ignore[attr-defined]
+    core.JitSpec.build_and_load = one_at_a_time
 
 
 class HostLengths(torch.Tensor):
@@ -49,8 +87,7 @@ class FlashInferBackend(AttentionBackend):
 
     def __init__(self, pool: KVPool, num_heads: int, head_dim: int) -> None:
         super().__init__(pool, num_heads, head_dim)
-        import flashinfer
-
+        flashinfer = import_flashinfer()
         self._fi = flashinfer
         device = pool.tensor.device
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)

@@ -50,7 +50,11 @@ class TorchOps:
 
 
 class CudaOps(TorchOps):
-    """sgl_kernel's fused kernels (bf16/fp16 on CUDA)."""
+    """sgl_kernel's fused kernels (bf16/fp16 on CUDA).
+
+    The norms call sgl_kernel's compiled ops, not its Python ``rmsnorm``: with FlashInfer
+    installed that one hands the call to FlashInfer's norm, which nvcc builds on first use in
+    each worker of a new machine (13 s on an H200) for the same kernel."""
 
     name = "sgl_kernel"
     has_gemv = True
@@ -59,7 +63,16 @@ class CudaOps(TorchOps):
         import sgl_kernel
 
         self._k = sgl_kernel
+        self._ops = torch.ops.sgl_kernel
         self._cos_sin: dict[torch.dtype, torch.Tensor] = {}
+        self._pdl: dict[torch.device, bool] = {}
+
+    def _launch_dependent(self, x: torch.Tensor) -> bool:
+        """Whether a norm on ``x``'s device may start before the kernel it follows ends
+        (programmatic dependent launch, Hopper and later), as sgl_kernel decides it."""
+        if x.device not in self._pdl:
+            self._pdl[x.device] = torch.cuda.get_device_capability(x.device)[0] >= 9
+        return self._pdl[x.device]
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor,
              bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -69,12 +82,15 @@ class CudaOps(TorchOps):
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         shape = x.shape
-        return self._k.rmsnorm(x.reshape(-1, shape[-1]).contiguous(), weight, eps).view(shape)
+        x = x.reshape(-1, shape[-1]).contiguous()
+        out = torch.empty_like(x)
+        self._ops.rmsnorm.default(out, x, weight, eps, self._launch_dependent(x))
+        return out.view(shape)
 
     def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         # In place: residual += x; x = rmsnorm(residual).
-        self._k.fused_add_rmsnorm(x, residual, weight, eps)
+        self._ops.fused_add_rmsnorm.default(x, residual, weight, eps, self._launch_dependent(x))
         return x, residual
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
