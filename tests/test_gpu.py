@@ -8,6 +8,7 @@ import subprocess
 import sys
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,7 +138,8 @@ def test_cuda_norms_match_torch_ops(dtype):
 # One process's first use of FlashInfer and of the layer kernels: a decode plan on CUDA cores
 # or on tensor cores (each a FlashInfer module nvcc builds once per machine) and the norms.
 _FIRST_USE = """
-import sys, torch
+import logging, sys, torch
+logging.basicConfig(level=logging.INFO, format="%(message)s")
 from pdserve.attention.fi import import_flashinfer
 from pdserve.models.ops import CudaOps
 flashinfer, cuda = import_flashinfer(), torch.device("cuda")
@@ -159,18 +161,32 @@ def test_kernels_built_by_workers_starting_together_are_built_once(tmp_path):
     both as built, not building them again (FlashInfer 0.5's shared ninja log lost entries when
     two builds ran at once, and every later worker on the machine rebuilt for about 30 s). The
     norms build nothing: they are sgl_kernel's compiled kernels."""
-    env = {**os.environ, "FLASHINFER_WORKSPACE_BASE": str(tmp_path),
+    cache = tmp_path / "cache"
+    env = {**os.environ, "FLASHINFER_WORKSPACE_BASE": str(cache),
            "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    runs = iter(range(3))
 
-    def first_use(*tensor_cores: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-c", _FIRST_USE, *tensor_cores], env=env)
+    def first_use(*tensor_cores: str) -> tuple[subprocess.Popen, Path]:
+        # Output to a file: a full pipe would stop a build that holds the other's lock.
+        log = tmp_path / f"run{next(runs)}.log"
+        with log.open("w") as out:
+            return subprocess.Popen([sys.executable, "-c", _FIRST_USE, *tensor_cores], env=env,
+                                    stdout=out, stderr=subprocess.STDOUT), log
+
+    def said(run: tuple[subprocess.Popen, Path]) -> str:
+        process, log = run
+        assert process.wait(timeout=900) == 0, log.read_text()
+        return log.read_text()
 
     together = [first_use("0"), first_use("1")]
-    assert [p.wait(timeout=900) for p in together] == [0, 0]
-    built = {so: so.stat().st_mtime_ns for so in tmp_path.rglob("*.so")}
+    logs = [said(run) for run in together]
+    built = {so: so.stat().st_mtime_ns for so in cache.rglob("*.so")}
     assert sorted(so.name.split("_with_")[0] for so in built) == ["batch_decode", "batch_prefill"]
-    assert first_use("0", "1").wait(timeout=900) == 0
-    assert {so: so.stat().st_mtime_ns for so in tmp_path.rglob("*.so")} == built
+    # Each build is announced where it happens, with the time it took.
+    assert [re.findall(r"built FlashInfer's (batch_\w+?)_with", log) for log in logs] == [
+        ["batch_decode"], ["batch_prefill"]], logs
+    assert "built FlashInfer's" not in said(first_use("0", "1"))
+    assert {so: so.stat().st_mtime_ns for so in cache.rglob("*.so")} == built
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -9,6 +9,8 @@ with fixed device buffers, re-planned before every replay.
 from __future__ import annotations
 
 import functools
+import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -17,6 +19,8 @@ import torch
 from pdserve.attention.base import AttentionBackend
 from pdserve.engine.batch import ForwardBatch, upload
 from pdserve.kvcache.pool import KVPool
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -36,6 +40,9 @@ TENSOR_CORE_MIN_BATCH = 64
 # of nvcc per worker on an H200, for each restart too). 0.6.1 gives each module its own directory
 # (flashinfer-ai/flashinfer#2339); before it, pdserve's processes build one module at a time.
 OWN_BUILD_DIRS_SINCE = "0.6.1"
+# A module's build_and_load taking longer than this ran nvcc (loading a built one, ninja
+# included, takes well under a second), and is logged: a first start is otherwise silent.
+BUILT_AFTER_S = 2.0
 
 
 def import_flashinfer() -> Any:
@@ -62,7 +69,13 @@ def _build_one_module_at_a_time() -> None:
     def one_at_a_time(spec: Any, *args: Any, **kwargs: Any) -> Any:
         # A lock object per call: one object shared by two threads would let the second in.
         with FileLock(lock_path, thread_local=False):
-            return build_and_load(spec, *args, **kwargs)
+            started = time.monotonic()
+            module = build_and_load(spec, *args, **kwargs)
+            took = time.monotonic() - started
+        if took > BUILT_AFTER_S:
+            log.info("built FlashInfer's %s kernels in %.1f s (nvcc, once per machine: kept "
+                     "in %s)", getattr(spec, "name", spec), took, core.get_tmpdir().parent)
+        return module
 
     one_at_a_time.one_at_a_time = True  # type: ignore[attr-defined]
     core.JitSpec.build_and_load = one_at_a_time
