@@ -164,11 +164,10 @@ def test_kernels_built_by_workers_starting_together_are_built_once(tmp_path):
     cache = tmp_path / "cache"
     env = {**os.environ, "FLASHINFER_WORKSPACE_BASE": str(cache),
            "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
-    runs = iter(range(3))
 
-    def first_use(*tensor_cores: str) -> tuple[subprocess.Popen, Path]:
+    def first_use(name: str, *tensor_cores: str) -> tuple[subprocess.Popen, Path]:
         # Output to a file: a full pipe would stop a build that holds the other's lock.
-        log = tmp_path / f"run{next(runs)}.log"
+        log = tmp_path / f"{name}.log"
         with log.open("w") as out:
             return subprocess.Popen([sys.executable, "-c", _FIRST_USE, *tensor_cores], env=env,
                                     stdout=out, stderr=subprocess.STDOUT), log
@@ -178,14 +177,14 @@ def test_kernels_built_by_workers_starting_together_are_built_once(tmp_path):
         assert process.wait(timeout=900) == 0, log.read_text()
         return log.read_text()
 
-    together = [first_use("0"), first_use("1")]
+    together = [first_use("cuda-cores", "0"), first_use("tensor-cores", "1")]
     logs = [said(run) for run in together]
     built = {so: so.stat().st_mtime_ns for so in cache.rglob("*.so")}
     assert sorted(so.name.split("_with_")[0] for so in built) == ["batch_decode", "batch_prefill"]
     # Each build is announced where it happens, with the time it took.
     assert [re.findall(r"built FlashInfer's (batch_\w+?)_with", log) for log in logs] == [
         ["batch_decode"], ["batch_prefill"]], logs
-    assert "built FlashInfer's" not in said(first_use("0", "1"))
+    assert "built FlashInfer's" not in said(first_use("both", "0", "1"))
     assert {so: so.stat().st_mtime_ns for so in cache.rglob("*.so")} == built
 
 
