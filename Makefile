@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: up test stubs chart-flags clean test-tools
+.PHONY: up test stubs chart-flags docs clean test-tools
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,11 @@ stubs: $(VENV)/.test
 chart-flags: $(VENV)/.base
 	$(PY) -c "import json; from pdserve.cli import CHART_FLAGS, chart_flags; \
 	open(CHART_FLAGS, 'w').write(json.dumps(chart_flags(), indent=1, sort_keys=True) + '\n')"
+
+# docs/configuration.md: every flag, from the config dataclasses (a test fails when it is stale).
+docs: $(VENV)/.base
+	$(PY) -c "from pdserve.config_docs import CONFIGURATION_DOC, configuration_markdown; \
+	open(CONFIGURATION_DOC, 'w').write(configuration_markdown())"
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -61,6 +61,7 @@ def add_flags(parser: argparse.ArgumentParser | Any, cls: type, skip: Iterable[s
         options = {k: v for k, v in f.metadata.items() if k != "help"}
         shown = ",".join(default) if isinstance(default, list) else default
         help_text = f.metadata.get("help", "") + (f" (default: {shown})" if shown != "" else "")
+        help_text = help_text.replace("%", "%%")   # argparse formats help with %: "90%" is text
         if kind is bool:
             action = argparse.BooleanOptionalAction if default else "store_true"
             parser.add_argument(flag_name(f.name), dest=f.name, action=action, default=default,
