@@ -1,7 +1,8 @@
 """Reservations: KV pages held for a request from Reserve until its decode ends.
 
-Admission control lives here: a Reserve waits (FIFO, bounded) for pages; one that can never fit,
-or finds the wait queue full, or waits too long, gets RESOURCE_EXHAUSTED. Each reservation's
+Admission control lives here: a Reserve waits for pages in a FIFO queue, as long as its
+caller's deadline allows (capped by ``wait_s`` where that is set); one that can never fit,
+finds the queue full, or runs out of time waiting gets RESOURCE_EXHAUSTED saying which. Each reservation's
 state follows ``handoff_state.transition``; this table applies it and does what entering a state
 means (start or stop a timer, free the pages). Everything runs on the event loop's thread.
 """
@@ -76,7 +77,10 @@ class ReservationTable:
         # KV is stored for the prompt and every generated token but the last.
         return self.pool.pages_for(prompt_len + max_new_tokens - 1)
 
-    async def reserve(self, request_id: str, prompt_len: int, max_new_tokens: int) -> Reservation:
+    async def reserve(self, request_id: str, prompt_len: int, max_new_tokens: int,
+                      deadline_s: float | None = None) -> Reservation:
+        """Pages for a request, waiting in the queue for them up to ``deadline_s`` (the caller's
+        time left; None: no deadline) or ``wait_s`` where that is positive, whichever is less."""
         if prompt_len < 1 or max_new_tokens < 1:
             raise InvalidRequest("prompt_len and max_new_tokens must be at least 1")
         if request_id in self._by_id:
@@ -88,7 +92,7 @@ class ReservationTable:
                              f"{allocator.total} in all")
         waited_from = time.monotonic()
         if self._waiters or not allocator.can_alloc(needed):
-            await self._wait_for(needed)
+            await self._wait_for(needed, deadline_s)
         if self.metrics:
             self.metrics.queue_wait.observe(time.monotonic() - waited_from)
         if request_id in self._by_id:  # the same id reserved again while we waited
@@ -104,17 +108,22 @@ class ReservationTable:
         self._publish()
         return res
 
-    async def _wait_for(self, needed: int) -> None:
+    async def _wait_for(self, needed: int, deadline_s: float | None) -> None:
         if len(self._waiters) >= self.max_queued:
-            raise Overloaded(f"decode worker overloaded: {len(self._waiters)} reservations waiting")
+            raise Overloaded(f"decode queue full: {len(self._waiters)} requests already wait "
+                             "for KV pages (--max-queued-reservations)")
+        capped = self.wait_s > 0 and (deadline_s is None or self.wait_s < deadline_s)
+        timeout_s = self.wait_s if capped else deadline_s
         waiter = asyncio.get_running_loop().create_future()
         waiter.needed = needed  # type: ignore[attr-defined]
         self._waiters.append(waiter)
         self._wake_next()
         try:
-            await asyncio.wait_for(asyncio.shield(waiter), self.wait_s)
+            await asyncio.wait_for(asyncio.shield(waiter), timeout_s)
         except asyncio.TimeoutError:
-            raise Overloaded(f"no KV pages for {needed} pages within {self.wait_s:g} s") from None
+            limit = (f"within --reserve-wait-s {self.wait_s:g} s" if capped
+                     else f"before the request's deadline ({timeout_s:.3g} s)")
+            raise Overloaded(f"no {needed} KV pages free {limit}") from None
         finally:
             if waiter in self._waiters:
                 self._waiters.remove(waiter)

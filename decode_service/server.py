@@ -79,7 +79,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             raise InvalidRequest(f"prompt_len {request.prompt_len} + max_new_tokens "
                                  f"{request.max_new_tokens} exceeds max_model_len {max_len}")
         res = await self.table.reserve(request.request_id, request.prompt_len,
-                                       request.max_new_tokens)
+                                       request.max_new_tokens, context.time_remaining())
         target = KVTarget(self.address, request.request_id, res.pages[:res.prompt_pages])
         target.signature = self.identity.sign(*target.signed_parts)
         return decode_pb2.ReserveResponse(kv_target=target.to_proto())

@@ -143,10 +143,10 @@ class DecodeConfig:
         "long while prompts reserved here are being prefilled, so prefill runs first (as one "
         "process schedules a waiting prompt before a decode step); 0: never; -1 (auto): 1000 "
         "where `pdserve up` puts a prefill worker on this GPU, else 0")
-    max_queued_reservations: int = setting(1024, "reservations waiting for pages before "
-                                           "RESOURCE_EXHAUSTED")
-    reserve_wait_s: float = setting(10.0, "how long a reservation waits for free KV pages "
-                                    "before RESOURCE_EXHAUSTED")
+    max_queued_reservations: int = setting(1024, "requests that may wait in the queue for KV "
+                                           "pages; one more is RESOURCE_EXHAUSTED")
+    reserve_wait_s: float = setting(0.0, "longest wait in that queue before RESOURCE_EXHAUSTED "
+                                    "(0: as long as the request's deadline allows)")
     lease_timeout_s: float = setting(30.0, "a reservation not decoding this long after its "
                                      "last renewal is freed (its prefill worker renews it while "
                                      "it holds the request)")

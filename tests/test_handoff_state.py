@@ -9,7 +9,7 @@ import torch
 
 from decode_service.handoff_state import Event, IllegalTransition, State, transition
 from decode_service.reservations import ReservationTable
-from pdserve.errors import InvalidRequest, UnknownRequest
+from pdserve.errors import InvalidRequest, Overloaded, UnknownRequest
 from pdserve.kvcache.pool import KVLayout, KVPool
 
 S, E = State, Event
@@ -199,4 +199,52 @@ def test_the_table_counts_prompts_being_prefilled_and_says_when_none_are():
         assert two_sided.num_prefilling == 1                # writing through us
         two_sided.release("f")
         assert two_sided.num_prefilling == 0
+    _run(scenario)
+
+
+def _queue_table(max_queued: int = 4, wait_s: float = 0.0) -> ReservationTable:
+    pool = KVPool(LAYOUT, 8, torch.float32, torch.device("cpu"))   # 7 usable pages of 4 tokens
+    return ReservationTable(pool, max_queued=max_queued, wait_s=wait_s, lease_timeout_s=30.0,
+                            unseen_writes_possible=False)
+
+
+def test_a_reservation_without_a_deadline_waits_in_the_queue_until_pages_free():
+    async def scenario():
+        table = _queue_table()
+        await table.reserve("a", 16, 9)                     # 6 of the 7 pages
+        waiting = asyncio.ensure_future(table.reserve("b", 16, 9))
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and table.num_waiting == 1
+        table.release("a")
+        assert len((await waiting).pages) == 6 and table.num_waiting == 0
+    _run(scenario)
+
+
+def test_a_full_queue_is_refused_saying_so_and_holds_nothing():
+    async def scenario():
+        table = _queue_table(max_queued=1)
+        await table.reserve("a", 16, 9)
+        waiting = asyncio.ensure_future(table.reserve("b", 16, 9))
+        await asyncio.sleep(0)
+        with pytest.raises(Overloaded, match="decode queue full: 1 requests already wait"):
+            await table.reserve("c", 16, 9)
+        waiting.cancel()
+        table.release("a")
+        await asyncio.sleep(0)
+        assert table.num_waiting == 0 and table.pool.allocator.num_free == 7
+    _run(scenario)
+
+
+@pytest.mark.parametrize("wait_s, deadline_s, message", [
+    (0.0, 0.1, r"no 6 KV pages free before the request's deadline \(0.1 s\)"),
+    (0.1, 5.0, r"no 6 KV pages free within --reserve-wait-s 0.1 s"),
+    (5.0, 0.1, r"before the request's deadline"),
+], ids=["deadline", "cap", "deadline-before-cap"])
+def test_a_wait_past_its_limit_is_refused_naming_the_limit(wait_s, deadline_s, message):
+    async def scenario():
+        table = _queue_table(wait_s=wait_s)
+        await table.reserve("a", 16, 9)
+        with pytest.raises(Overloaded, match=message):
+            await table.reserve("b", 16, 9, deadline_s=deadline_s)
+        assert table.num_waiting == 0 and table.pool.allocator.num_free == 1
     _run(scenario)
