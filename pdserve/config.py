@@ -205,6 +205,11 @@ class RouterConfig(ModelSource):
     cache_aware_max_imbalance_tokens: int = setting(
         16384, "cache_aware: go to the least loaded prefill worker instead when the one with "
         "the prefix has this many more prompt tokens waiting")
+    slo_ttft_ms: float = setting(0.0, "time-to-first-token target: a finished request "
+                                 "that met it and --slo-tpot-ms counts as goodput "
+                                 "(pdserve_requests_within_slo_total; 0: no target)")
+    slo_tpot_ms: float = setting(0.0, "time-per-output-token target (the mean gap after the "
+                                 "first token) for the same count (0: no target)")
     same_gpu_max_imbalance_tokens: int = setting(
         16384, "prefill a request on its decode worker's GPU, where one is (its KV then never "
         "leaves the GPU), unless that prefill worker has this many more prompt tokens waiting "

@@ -224,6 +224,14 @@ class RouterMetrics(RoleMetrics):
                                 "Time between tokens of a stream", buckets=TOKEN_LATENCY_BUCKETS_S)
         self.e2e = self._metric(Histogram, "pdserve_request_duration_seconds",
                                 "End-to-end request latency", buckets=LATENCY_BUCKETS_S)
+        self.tpot = self._metric(Histogram, "pdserve_time_per_output_token_seconds",
+                                 "A finished request's time per token after its first (TPOT)",
+                                 buckets=TOKEN_LATENCY_BUCKETS_S)
+        self.within_slo = self._metric(Counter, "pdserve_requests_within_slo_total",
+                                       "Finished requests that met both --slo-ttft-ms and "
+                                       "--slo-tpot-ms (goodput)")
+        self.slo_target = self._metric(Gauge, "pdserve_slo_target_seconds",
+                                       "The router's latency targets (0: none)", extra=("slo",))
         self.decisions = self._metric(Counter, "pdserve_router_decisions_total",
                                       "Workers picked, by role, policy and reason",
                                       extra=("target_role", "policy", "reason"))

@@ -73,6 +73,8 @@ class Generation:
         self.workers = workers
         self.metrics = metrics
         self._cleanup: set[asyncio.Task] = set()
+        metrics.slo_target.labels("ttft").set(config.slo_ttft_ms / 1000)
+        metrics.slo_target.labels("tpot").set(config.slo_tpot_ms / 1000)
 
     def check(self, request: GenerateInput) -> GenerationJob:
         """``request`` checked and tokenized under this router's limits (InvalidRequest
@@ -114,6 +116,10 @@ class Generation:
                         if chunk.finish_reason is not None:
                             finish = chunk.finish_reason
                             self.metrics.finished.labels(finish).inc()
+                            after_first = len(generated) - len(chunk.token_ids) > 0
+                            self._observe_slo(first_token_at - started, (
+                                (now - first_token_at) / (len(generated) - 1)
+                                if after_first else None))
                         yield chunk
                     return
                 except DecodeLost as lost:
@@ -130,6 +136,16 @@ class Generation:
                          "%.3f s, done in %.3f s", job.request_id, len(job.prompt_ids),
                          len(generated), finish or "none (failed or cancelled)",
                          first_token_at - started, time.monotonic() - started)
+
+    def _observe_slo(self, ttft_s: float, tpot_s: float | None) -> None:
+        """A finished request's TPOT (None: its tokens came in one message with the first) and
+        whether it met the targets."""
+        if tpot_s is not None:
+            self.metrics.tpot.observe(tpot_s)
+        ttft_target_s, tpot_target_s = self.config.slo_ttft_ms / 1000, self.config.slo_tpot_ms / 1000
+        if ((not ttft_target_s or ttft_s <= ttft_target_s)
+                and (not tpot_target_s or tpot_s is None or tpot_s <= tpot_target_s)):
+            self.metrics.within_slo.inc()
 
     async def _relay(self, job: GenerationJob, output: OutputAssembler,
                      remaining: Remaining) -> AsyncIterator[Chunk]:

@@ -14,7 +14,10 @@ import pytest
 from conftest import free_port, generate
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.config import RouterConfig
+from pdserve.metrics import RouterMetrics
 from protos.pdserve.v1 import generate_pb2
+from router.generation import Generation
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "helm" / "pdserve" / "dashboards" / "pdserve.json"
@@ -43,6 +46,9 @@ def test_every_process_exports_its_metrics(cluster):
     decode = _scrape(cluster.metrics_urls["decode0"])
     assert _sum(router, "pdserve_time_to_first_token_seconds_count") >= 1
     assert _sum(router, "pdserve_inter_token_latency_seconds_count") >= 5
+    assert _sum(router, "pdserve_time_per_output_token_seconds_count") >= 1
+    assert _sum(router, "pdserve_requests_within_slo_total") >= 1   # no targets: all count
+    assert any(k.startswith("pdserve_slo_target_seconds{") and "slo=tpot" in k for k in router)
     assert 'pdserve_requests_total{model_name=tiny,outcome=finished,role=router' in "".join(router)
     assert any(k.startswith("pdserve_worker_healthy{") and v == 1 for k, v in router.items())
     # 1 while the router keeps up; up to --max-stream-interval (16) while it is behind
@@ -188,3 +194,17 @@ def test_stats_line_shows_rates_and_gauges():
     metrics.pages_free.set(75)
     assert stats_line(metrics, previous, 2.0) == (
         "decode stats: gen tok/s 250, running 7, queued 2, KV 25.0%")
+
+
+@pytest.mark.parametrize("ttft_s, tpot_s, within", [
+    (0.05, 0.005, True), (0.2, 0.005, False), (0.05, 0.02, False), (0.05, None, True),
+], ids=["both-met", "ttft-missed", "tpot-missed", "one-message"])
+def test_goodput_counts_requests_that_met_both_targets(ttft_s, tpot_s, within):
+    metrics = RouterMetrics("r0", "m")
+    generation = Generation(RouterConfig(slo_ttft_ms=100, slo_tpot_ms=10), None, None, None,
+                            metrics)
+    generation._observe_slo(ttft_s, tpot_s)
+    assert metrics.sample("pdserve_requests_within_slo_total") == (1 if within else 0)
+    assert metrics.sample("pdserve_time_per_output_token_seconds_count") == (tpot_s is not None)
+    assert metrics.registry.get_sample_value("pdserve_slo_target_seconds", {
+        "role": "router", "worker": "r0", "model_name": "m", "slo": "ttft"}) == 0.1
