@@ -1,0 +1,86 @@
+"""Prefill steps in flight on a GPU, published by prefill processes and read by decode."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+from pdserve.engine.gpu_share import SLOT, STALE_S, PrefillActivity, PrefillWatch, share_dir
+
+WRITER = """
+import sys
+from pdserve.engine.gpu_share import PrefillActivity
+activity = PrefillActivity(sys.argv[1])
+for line in sys.stdin:
+    getattr(activity, line.strip())()
+    print("ok", flush=True)
+"""
+
+
+def _writer(gpu: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", WRITER, gpu], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+
+
+def _tell(process: subprocess.Popen, command: str) -> None:
+    process.stdin.write(command + "\n")
+    process.stdin.flush()
+    assert process.stdout.readline().strip() == "ok"
+
+
+def test_decode_sees_another_process_s_prefill_step_while_it_runs():
+    gpu = f"test-{uuid.uuid4()}"
+    writer = _writer(gpu)
+    watch = PrefillWatch(gpu)
+    try:
+        _tell(writer, "_publish")
+        watch._scanned_at = -1e9          # look for writers now, not within a second
+        assert not watch.busy()
+        _tell(writer, "launched")
+        _tell(writer, "launched")        # overlap: the next step before the last is read
+        assert watch.busy()
+        _tell(writer, "collected")
+        assert watch.busy()
+        _tell(writer, "collected")
+        assert not watch.busy()
+        _tell(writer, "close")
+        watch._scanned_at = -1e9
+        assert not watch.busy() and not watch._maps
+    finally:
+        writer.kill()
+        writer.wait()
+        watch.close()
+
+
+def test_a_writer_killed_mid_step_stops_holding_decode_back():
+    gpu = f"test-{uuid.uuid4()}"
+    writer = _writer(gpu)
+    watch = PrefillWatch(gpu)
+    try:
+        _tell(writer, "launched")
+        watch._scanned_at = -1e9
+        assert watch.busy()
+        writer.kill()
+        writer.wait()
+        watch._scanned_at = -1e9          # the next rescan finds the process gone
+        assert not watch.busy()
+        assert not list(share_dir(gpu).glob("prefill-*"))
+    finally:
+        watch.close()
+
+
+def test_a_slot_unchanged_for_longer_than_any_step_is_ignored():
+    gpu = f"test-{uuid.uuid4()}"
+    activity = PrefillActivity(gpu)
+    watch = PrefillWatch(gpu)
+    try:
+        activity.launched()
+        assert watch.busy()
+        SLOT.pack_into(activity._map, 0, 1, time.monotonic_ns() - int((STALE_S + 1) * 1e9))
+        assert not watch.busy()
+        assert activity.path.name == f"prefill-{os.getpid()}"
+    finally:
+        watch.close()
+        activity.close()
