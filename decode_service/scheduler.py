@@ -35,7 +35,8 @@ import grpc
 from decode_service.outbox import Outbox
 from decode_service.reservations import Reservation, ReservationTable
 from pdserve.engine.decode_slots import SlotJoin
-from pdserve.engine.decode_steps import DecodeSteps, LaunchedStep, StepPlan
+from pdserve.engine.decode_steps import DecodeSteps, StepPlan
+from pdserve.engine.launched_step import LaunchedStep
 from pdserve.metrics import DecodeMetrics
 from pdserve.sampling_params import SamplingParams, finish_reason
 

@@ -30,7 +30,8 @@ from kv_transfer.base import PageWrite
 from kv_transfer.link import DecodeLinks
 from pdserve.config import LOF_AGING_S, SCHEDULE_POLICIES
 from pdserve.engine.batch import SeqInput
-from pdserve.engine.runner import LaunchedStep, ModelRunner
+from pdserve.engine.launched_step import LaunchedStep
+from pdserve.engine.runner import ModelRunner
 from pdserve.errors import InvalidRequest, Overloaded
 from pdserve.kvcache.prefix_pages import PrefixPages, PromptPages
 from pdserve.metrics import PrefillMetrics
@@ -353,7 +354,7 @@ class PrefillScheduler:
     def _collect(self, step: PrefillStep) -> None:
         try:
             if step.error is None:
-                step.tokens = step.launched.result().tokens  # type: ignore[union-attr]
+                step.tokens = step.launched.tokens()  # type: ignore[union-attr]
         except Exception as err:  # noqa: BLE001
             step.error = err
         collected = time.perf_counter()

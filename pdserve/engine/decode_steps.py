@@ -15,6 +15,7 @@ import torch
 
 from pdserve.engine.batch import ForwardBatch, StagingRing, paged_rows
 from pdserve.engine.decode_slots import DecodeSlots, SlotJoin
+from pdserve.engine.launched_step import LaunchedStep
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampling import sample_tensors
 
@@ -26,20 +27,6 @@ class StepPlan:
     slots: list[int]          # each row's slot
     seq_lens: list[int]       # each row's cached tokens once the step has run (position + 1)
     joins: list[SlotJoin]     # slots (re)filled before the step
-
-
-@dataclass
-class LaunchedStep:
-    batch_size: int
-    mode: str                          # "cuda_graph" or "eager"
-    tokens_out: torch.Tensor           # [>= batch_size] int64 on the host (page-locked on CUDA)
-    done: torch.cuda.Event | None
-
-    def tokens(self) -> list[int]:
-        """The step's sampled tokens, one per row (waits for the step)."""
-        if self.done is not None:
-            self.done.synchronize()
-        return self.tokens_out[:self.batch_size].tolist()
 
 
 class DecodeSteps:
@@ -99,7 +86,7 @@ class DecodeSteps:
         out[:n].copy_(tokens, non_blocking=self.on_cuda)
         if done is not None:
             done.record(stream)
-        return LaunchedStep(n, "cuda_graph" if use_graph else "eager", out, done)
+        return LaunchedStep("cuda_graph" if use_graph else "eager", out, n, done)
 
     def wait_idle(self) -> None:
         """Returns once the device has finished everything launched."""

@@ -13,6 +13,7 @@ from pdserve.attention.base import AttentionBackend
 from pdserve.config import EngineConfig
 from pdserve.engine.batch import ForwardBatch, SeqInput
 from pdserve.engine.cuda_graph import CudaGraphRunner
+from pdserve.engine.launched_step import LaunchedStep
 from pdserve.engine.sampling import SampleRow, SamplingParams, sample
 from pdserve.errors import ConfigError
 from pdserve.kvcache.pool import KVLayout, KVPool
@@ -208,13 +209,13 @@ class ModelRunner:
         with self.on_device():
             tokens = sample(self.forward(seqs, on_layer, eager), rows)
             if self.device.type != "cuda":
-                return LaunchedStep(tokens, None, mode)
+                return LaunchedStep(mode, tokens, len(seqs), None)
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
             # Blocking sync: the thread that waits for it sleeps in the driver, without the GIL.
             done = torch.cuda.Event(blocking=True)
             done.record()
-        return LaunchedStep(host, done, mode)
+        return LaunchedStep(mode, host, len(seqs), done)
 
     @torch.inference_mode()
     def warm_up(self, num_tokens: int) -> None:
@@ -238,19 +239,6 @@ class ModelRunner:
     def step(self, seqs: list[SeqInput], rows: list[SampleRow],
              on_layer: Callable[[int], None] | None = None, eager: bool = False) -> StepResult:
         """Runs one step and samples one token per sequence."""
-        return self.launch(seqs, rows, on_layer, eager).result()
+        launched = self.launch(seqs, rows, on_layer, eager)
+        return StepResult(launched.tokens(), launched.mode)
 
-
-@dataclass
-class LaunchedStep:
-    """A step on its way through the GPU: its sampled ids arrive in ``tokens``."""
-
-    tokens: torch.Tensor                 # [batch] int64 on the host (pinned on CUDA)
-    done: torch.cuda.Event | None        # recorded after the copy to ``tokens``; None on the CPU
-    mode: str
-
-    def result(self) -> StepResult:
-        """Waits for the step (the step's one host sync: the chosen ids)."""
-        if self.done is not None:
-            self.done.synchronize()
-        return StepResult(self.tokens.tolist(), self.mode)
