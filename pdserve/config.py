@@ -57,7 +57,7 @@ class EngineConfig(ModelSource):
     gpu_memory_utilization: float = setting(0.9, "with --kv-cache-gb auto on CUDA, the share of "
                                             "the GPU's memory this worker may use in all; `up` "
                                             "splits it between workers sharing a GPU (decode "
-                                            "0.7, prefill 0.3)")
+                                            "0.75, prefill 0.25)")
     attention_backend: str = setting("auto", "auto, or a registered backend (torch, fa, fi)")
     torch_threads: int = setting(0, "CPU threads for torch (0: torch's default)")
     disable_cuda_graph: bool = setting(False, "decode eagerly instead of replaying CUDA graphs")
