@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from decode_service.reservations import Reservation, ReservationTable
 from pdserve.engine.decode_slots import SlotJoin
 from pdserve.engine.decode_steps import DecodeSteps, StepPlan
 from pdserve.engine.launched_step import LaunchedStep
+from pdserve.engine.step_loop import Overlap, StepThread, StepTimer
 from pdserve.metrics import DecodeMetrics
 from pdserve.sampling_params import SamplingParams, finish_reason
 
@@ -70,14 +70,16 @@ class DecodeRequest:
                         self.prompt_ids + self.generated if penalised else None)
 
 
-@dataclass
-class InFlight:
-    """A launched step the loop has not collected yet."""
+@dataclass(eq=False)
+class DecodeStep:
+    """One step from its plan to its collected tokens."""
 
     step_id: int
-    batch: list[DecodeRequest]
-    launched: LaunchedStep
-    launched_at: float
+    batch: list[DecodeRequest]                  # each row's request
+    plan: StepPlan
+    launched: LaunchedStep | None = None
+    launched_at: float = 0.0
+    tokens: list[int] | None = None             # one per row, once collected
 
 
 @dataclass
@@ -107,7 +109,6 @@ class DecodeLoop:
         self.table = table
         self.max_running = min(max_running, steps.slots.max_slots)
         self.metrics = metrics
-        self.overlap = overlap
         self.yield_to_prefill_s = yield_to_prefill_s
         if yield_to_prefill_s > 0:   # the last prompt prefilled ends a wait at once
             table.on_prefill_idle = lambda: self._commands.put(_WAKE)
@@ -115,7 +116,6 @@ class DecodeLoop:
         self._held: dict[str, DecodeRequest] = {}    # every request whose pages the loop holds
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._event_loop: asyncio.AbstractEventLoop | None = None
-        self._crashed: asyncio.Future | None = None
         # The loop thread's side.
         self._running: dict[str, DecodeRequest] = {}
         self._waiting: deque[DecodeRequest] = deque()
@@ -124,12 +124,13 @@ class DecodeLoop:
         self._joins: list[SlotJoin] = []
         self._launched_steps = 0
         self._collected_steps = 0
-        self._last_collected_at = 0.0
-        self._last_launched_at = 0.0
+        self._last_launched_at = 0.0                 # time.monotonic(), as prefill progress is
         self._output = StepOutput()
-        self._phases = {phase: metrics.loop_seconds.labels(phase)
-                        for phase in ("schedule", "launch", "wait", "process")}
-        self._thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
+        self._overlap: Overlap[DecodeStep] = Overlap(overlap)
+        self._timer = StepTimer(metrics.step_duration, {
+            phase: metrics.loop_seconds.labels(phase)
+            for phase in ("schedule", "launch", "wait", "process")})
+        self._thread = StepThread("decode-loop")
 
     @property
     def num_running(self) -> int:
@@ -145,14 +146,13 @@ class DecodeLoop:
 
     # The event loop's side.
     async def run(self) -> None:
-        """Runs the loop thread until cancelled; raises if the thread dies."""
+        """Runs the loop on its thread until cancelled; raises what ended the loop (a bug)."""
         self._event_loop = asyncio.get_running_loop()
-        self._crashed = self._event_loop.create_future()
-        self._thread.start()
         try:
-            await self._crashed
+            await self._thread.run(self._run)
         finally:
             self._commands.put(_STOP)
+            self._thread.stop()
 
     def add(self, req: DecodeRequest) -> None:
         self._held[req.request_id] = req
@@ -190,73 +190,48 @@ class DecodeLoop:
     def shutdown(self, timeout_s: float = 5.0) -> bool:
         """Stops the loop thread; whether it has ended (it is waited for up to ``timeout_s``)."""
         self._commands.put(_STOP)
-        if threading.current_thread() is not self._thread and self._thread.ident is not None:
-            self._thread.join(timeout_s)
-        return not self._thread.is_alive()
+        return self._thread.stop(timeout_s)
 
     # The loop thread's side.
     def _run(self) -> None:
-        try:
-            self._loop()
-            self.steps.runner.profiler.close()
-        except BaseException as err:  # noqa: BLE001 - the event loop must learn of it
-            if self._event_loop is not None and self._crashed is not None:
-                # run() raises it: the server logs it and stops the worker. (Bound now: the
-                # name ``err`` is unset once the except block ends.)
-                self._event_loop.call_soon_threadsafe(
-                    lambda error=err: self._crashed.done() or self._crashed.set_exception(error))
-            else:
-                log.exception("decode loop died")
+        self._loop()
+        self.steps.runner.profiler.close()
 
     def _loop(self) -> None:
-        in_flight: InFlight | None = None
-        while True:
-            idle = in_flight is None and not self._running and not self._waiting
-            yield_s = 0.0 if idle or in_flight is not None else self._yield_left()
-            if yield_s > 0:
-                waited_from = time.perf_counter()
-                if not self._take_commands(block=True, timeout=yield_s):
-                    return
-                self.metrics.yielded.inc(time.perf_counter() - waited_from)
-            elif not self._take_commands(block=idle):
-                return
-            started = time.perf_counter()   # after any wait for work or for prefill
+        while self._take_work():
+            self._timer.start()   # after any wait for work or for prefill
             self._admit()
             # Yielding, the step in flight is still collected (its tokens go out); none follows.
-            plan, batch = (None, []) if self._yield_left() > 0 else self._plan()
-            if plan is None and in_flight is None:
+            step = None if self._yield_left() > 0 else self._plan()
+            if step is None and self._overlap.in_flight is None:
                 self._hand_over()
                 continue
-            launched_at = time.perf_counter()
-            self._phases["schedule"].inc(launched_at - started)
-            if plan is not None:
-                self._last_launched_at = time.monotonic()
-            previous = in_flight.launched if (self.overlap and in_flight) else None
+            self._timer.lap("schedule")
             try:
-                launched = self.steps.launch(plan) if plan is not None else None
-                waited_from = time.perf_counter()
-                self._phases["launch"].inc(waited_from - launched_at)
-                if self.overlap:
-                    tokens = previous.tokens() if previous is not None else None
-                    finished, in_flight = in_flight, (None if launched is None else InFlight(
-                        self._launched_steps, batch, launched, launched_at))
-                else:
-                    assert launched is not None
-                    tokens = launched.tokens()
-                    finished = InFlight(self._launched_steps, batch, launched, launched_at)
+                collected = self._overlap.launch_then_collect(step, self._launch, self._collect)
             except Exception:
                 log.exception("decode step failed; ending its requests")
-                self._recover(batch, in_flight)
-                in_flight = None
+                self._recover(step)
                 self._hand_over()
                 continue
-            processed_from = time.perf_counter()
-            self._phases["wait"].inc(processed_from - waited_from)
-            if finished is not None:
-                assert tokens is not None
-                self._process(finished, tokens)
+            if collected is not None:
+                self._process(collected)
             self._hand_over()
-            self._phases["process"].inc(time.perf_counter() - processed_from)
+            self._timer.lap("process")
+
+    def _take_work(self) -> bool:
+        """Takes new requests and cancels: waits for them while there is nothing to do, and
+        for prefill while yielding to it. False once the loop must stop."""
+        in_flight = self._overlap.in_flight is not None
+        idle = not in_flight and not self._running and not self._waiting
+        yield_s = 0.0 if idle or in_flight else self._yield_left()
+        if yield_s <= 0:
+            return self._take_commands(block=idle)
+        self._timer.start()
+        if not self._take_commands(block=True, timeout=yield_s):
+            return False
+        self.metrics.yielded.inc(self._timer.lap())
+        return True
 
     def _yield_left(self) -> float:
         """How much longer the next step waits for prefill (0: launch it now): up to
@@ -343,25 +318,36 @@ class DecodeLoop:
             self._running[req.request_id] = req
             self._joins.append(req.join(self._free_slots.pop()))
 
-    def _plan(self) -> tuple[StepPlan | None, list[DecodeRequest]]:
+    def _plan(self) -> DecodeStep | None:
         """The next step: every running request that may still need a token (one that has as
         many launched as max_new_tokens allows waits for their results)."""
         batch = [r for r in self._running.values() if r.scheduled < r.params.max_new_tokens]
         if not batch:
-            return None, []
+            return None
         self._launched_steps += 1
-        step = self._launched_steps
+        step_id = self._launched_steps
         slots, seq_lens = [], []
         for req in batch:
             req.scheduled += 1
-            req.last_step = step
+            req.last_step = step_id
             slots.append(req.slot)
             seq_lens.append(req.reservation.prompt_len + req.scheduled - 1)
         plan = StepPlan(slots, seq_lens, self._joins)
         self._joins = []
-        return plan, batch
+        return DecodeStep(step_id, batch, plan)
 
-    def _recover(self, batch: list[DecodeRequest], in_flight: InFlight | None) -> None:
+    def _launch(self, step: DecodeStep) -> None:
+        self._last_launched_at = time.monotonic()
+        self._timer.launching(step)
+        step.launched = self.steps.launch(step.plan)
+        self._timer.lap("launch")
+
+    def _collect(self, step: DecodeStep) -> None:
+        step.tokens = step.launched.tokens()  # type: ignore[union-attr]
+        self._timer.collected(step)
+        self._timer.lap("wait")
+
+    def _recover(self, step: DecodeStep | None) -> None:
         """After a failed step: its requests (and those of the step before, not collected) end
         with an error once the GPU has nothing of theirs left in flight."""
         try:
@@ -369,21 +355,19 @@ class DecodeLoop:
         except Exception:  # noqa: BLE001 - the device is broken; free what we can anyway
             log.exception("decode device did not settle after a failed step")
         self._collected_steps = self._launched_steps
-        for req in batch + (in_flight.batch if in_flight else []):
-            self._fail(req)
+        for failed in (step, self._overlap.forget()):
+            for req in failed.batch if failed is not None else []:
+                self._fail(req)
         self._release_retired()
 
-    def _process(self, step: InFlight, tokens: list[int]) -> None:
-        now = time.perf_counter()
-        self.metrics.step_duration.observe(now - max(step.launched_at, self._last_collected_at))
-        self._last_collected_at = now
+    def _process(self, step: DecodeStep) -> None:
         self.metrics.batch_size.observe(len(step.batch))
-        self.metrics.steps.labels(step.launched.mode).inc()
+        self.metrics.steps.labels(step.launched.mode).inc()  # type: ignore[union-attr]
         self._collected_steps = step.step_id
         self._release_retired()
         live = 0
         by_outbox = self._output.tokens
-        for req, token in zip(step.batch, tokens):
+        for req, token in zip(step.batch, step.tokens):  # type: ignore[arg-type]
             if req.done:   # finished or cancelled after the step was launched
                 continue
             live += 1

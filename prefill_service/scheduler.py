@@ -23,7 +23,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kv_transfer.base import PageWrite
@@ -32,6 +31,7 @@ from pdserve.config import LOF_AGING_S, SCHEDULE_POLICIES
 from pdserve.engine.batch import SeqInput
 from pdserve.engine.launched_step import LaunchedStep
 from pdserve.engine.runner import ModelRunner
+from pdserve.engine.step_loop import Overlap, StepThread, StepTimer
 from pdserve.errors import InvalidRequest, Overloaded
 from pdserve.kvcache.prefix_pages import PrefixPages, PromptPages
 from pdserve.metrics import PrefillMetrics
@@ -124,7 +124,6 @@ class PrefillScheduler:
             raise ValueError(f"unknown schedule policy {policy!r}")
         self.runner = runner
         self.policy = policy
-        self.overlap = overlap
         self.links = links
         self.leases = LeaseKeeper(links)
         self.max_queue_wait_s = max_queue_wait_s
@@ -136,11 +135,12 @@ class PrefillScheduler:
         self._waiting: deque[PrefillTask] = deque()    # no pages yet
         self._running: list[PrefillTask] = []           # pages held, prompt not done
         self._transferring: set[PrefillTask] = set()
-        self._in_flight: list[PrefillStep] = []        # planned, not yet collected (two at most)
-        self._last_collected = time.perf_counter()
+        self._in_flight: list[PrefillStep] = []        # planned, not yet finished (two at most)
+        self._overlap: Overlap[PrefillStep] = Overlap(overlap)
+        self._timer = StepTimer(metrics.step_duration)
+        self._thread = StepThread("prefill-step")
         self._wake = asyncio.Event()
         self._background: set[asyncio.Task] = set()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="prefill-step")
         self.pages = PrefixPages(self.pool.allocator, self.pool.page_size, prefix_cache,
                                  on_evict=metrics.cache_evicted_pages.inc)
         metrics.watch_pool(self.pool.allocator, lambda: self.pages.held_pages)
@@ -227,23 +227,17 @@ class PrefillScheduler:
             lease_task.cancel()
 
     async def _loop(self) -> None:
-        in_flight: PrefillStep | None = None        # launched, not yet collected
         while True:
             self._admit()
             self._publish_load()
             step = self._plan_step()
-            if step is None and in_flight is None:
+            if step is None and self._overlap.in_flight is None:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            if self.overlap:
-                await self._launch_and_collect(step, in_flight)
-                finished, in_flight = in_flight, step
-            else:
-                await self._launch_and_collect(step, step)
-                finished = step
-            if finished is not None:
-                self._finish_step(finished)
+            collected = await self._launch_and_collect(step)
+            if collected is not None:
+                self._finish_step(collected)
 
     def _admit(self) -> None:
         now = time.monotonic()
@@ -320,19 +314,12 @@ class PrefillScheduler:
         self._in_flight.append(step)
         return step
 
-    async def _launch_and_collect(self, launch: PrefillStep | None,
-                                  collect: PrefillStep | None) -> None:
-        """On the step's thread: launches ``launch``, then waits for ``collect``'s tokens (the
-        same step without overlap)."""
-        loop = asyncio.get_running_loop()
-
-        def run() -> None:
-            if launch is not None:
-                self._launch(launch, loop.call_soon_threadsafe)
-            if collect is not None:
-                self._collect(collect)
-
-        await loop.run_in_executor(self._executor, run)
+    async def _launch_and_collect(self, step: PrefillStep | None) -> PrefillStep | None:
+        """On the step thread: launches ``step``, then waits for the tokens of the step before
+        it (of ``step`` itself without overlap); returns the step collected."""
+        to_loop = asyncio.get_running_loop().call_soon_threadsafe
+        return await self._thread.run(lambda: self._overlap.launch_then_collect(
+            step, lambda launched: self._launch(launched, to_loop), self._collect))
 
     def _launch(self, step: PrefillStep, to_loop: Callable[[Callable[[], None]], object]) -> None:
         """On the step's thread; ``to_loop`` runs a callback on the event loop (the writes'
@@ -340,7 +327,7 @@ class PrefillScheduler:
         seqs = [SeqInput(t.prompt_ids[t.scheduled - n:t.scheduled], t.scheduled - n, t.pages)
                 for t, n in step.plan]
         rows = [sample_row(t.params, t.prompt_ids, [], t.output_offset) for t, _ in step.plan]
-        step.launched_at = time.perf_counter()
+        self._timer.launching(step)
         try:
             step.launched = self.runner.launch(seqs, rows, PageWrite.fan_out(
                 step.writes, to_loop))
@@ -349,7 +336,7 @@ class PrefillScheduler:
         finally:
             for write in step.writes:
                 write.sealed = True
-        self.metrics.launch_duration.observe(time.perf_counter() - step.launched_at)
+        self.metrics.launch_duration.observe(self._timer.since_launch(step))
 
     def _collect(self, step: PrefillStep) -> None:
         try:
@@ -357,12 +344,7 @@ class PrefillScheduler:
                 step.tokens = step.launched.tokens()  # type: ignore[union-attr]
         except Exception as err:  # noqa: BLE001
             step.error = err
-        collected = time.perf_counter()
-        # The step's share of the wall time: from its launch, or from the step before it if
-        # that ended later (the two overlap).
-        self.metrics.step_duration.observe(collected - max(step.launched_at,
-                                                           self._last_collected))
-        self._last_collected = collected
+        self._timer.collected(step)
 
     def _finish_step(self, step: PrefillStep) -> None:
         self._in_flight.remove(step)
@@ -447,13 +429,11 @@ class PrefillScheduler:
         for task in list(self._background):
             task.cancel()
         # On the step thread, after any step in flight (a trace being taken is written).
-        closing = asyncio.get_running_loop().run_in_executor(self._executor,
-                                                             self.runner.profiler.close)
         try:
-            await asyncio.wait_for(closing, PROFILER_CLOSE_S)
+            await asyncio.wait_for(self._thread.run(self.runner.profiler.close), PROFILER_CLOSE_S)
         except asyncio.TimeoutError:
             log.warning("the step thread did not stop within %g s", PROFILER_CLOSE_S)
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._thread.stop()
         await self.links.close()
 
 
