@@ -3,13 +3,10 @@ the GPU's memory bandwidth at decode batch sizes, per projection of a model (cuB
 timed inside CUDA graphs as decode runs them.
 
 At batch 64..256 a decode step's GEMMs are still weight reads: each weight byte is read once
-per step, whatever the batch. The served llama3-8b decode trace on an H200 (2026-11-24) showed
-the layers' GEMMs reading at about 61% of its bandwidth, so this measures them alone, with
-weights rotated through copies larger than L2 (as a step's 32 layers are), and compares Triton
-GEMMs that put the weight's rows on the tensor cores' M side and the batch on N ("swap AB"),
-without and with split-K (autotuned per shape). Writes JSON; the Triton kernels are measured
-only, not used by the server (on an H100 they lose to cuBLAS from batch 96 on:
-bench/reference/h100/decode-blas-and-gil/).
+per step, whatever the batch. This measures them alone, with weights rotated through copies
+larger than L2 (as a step's 32 layers are), and compares Triton GEMMs that put the weight's rows
+on the tensor cores' M side and the batch on N ("swap AB"), without and with split-K (autotuned
+per shape). Writes JSON; the Triton kernels are measured only, not used by the server.
 
     python bench/gemm.py --model llama3-8b --batch-sizes 1,64,96,128,136,192,256
 """

@@ -1,11 +1,12 @@
 """Sampling alone: the Gumbel-argmax kernels (`pdserve/engine/sampling_kernel.py`) at decode batch
-sizes: bfloat16 logits with each row's vocabulary split over programs (what the server runs since
-2026-11-25) against float32 logits with one program per row (what it ran before), and the time to
-read the bfloat16 logits once at the GPU's copy bandwidth. Timed inside CUDA graphs (GPU time: a
+sizes: bfloat16 logits with each row's vocabulary split over programs (what the server runs)
+against float32 logits with one program per row (the design it replaced), and the time to read
+the bfloat16 logits once at the GPU's copy bandwidth. Timed inside CUDA graphs (GPU time: a
 decode step's host work runs ahead of the GPU). Every row samples (temperature 0.6), the costlier
 branch.
 
     python bench/sampling.py --vocab 151936 --batch-sizes 1,16,64,128,256 --out sampling.json
+    python bench/sampling.py --programs-per-sm 2,4,8,16,32   # the split's width, PROGRAMS_PER_SM
 """
 from __future__ import annotations
 

@@ -23,8 +23,8 @@ log = logging.getLogger("pdserve")
 # A worker launches steps from a thread of its own while its event loop serves gRPC. Every torch
 # op the step thread calls releases the GIL; under CPython's default 5 ms switch interval a busy
 # event loop (a burst of arriving requests) may then keep it 5 ms before the step thread gets it
-# back, hundreds of times a prefill step. Measured on an H100 (llama3-8b, a 256-request burst):
-# the burst's first prefill steps took 114 ms of host time each at 5 ms, 46 ms at 0.5 ms.
+# back, hundreds of times a prefill step (bench/results/h100-prefill-host/; shorter gains
+# nothing: bench/results/h100-decode-blas-and-gil/).
 STEP_THREAD_SWITCH_INTERVAL_S = 0.0005
 
 
@@ -36,8 +36,8 @@ def favour_step_thread() -> None:
 def freeze_startup_heap() -> None:
     """Takes everything start-up made (modules, the model, tokenizer, graphs) out of the cyclic
     garbage collector's reach: a full collection walks only what serving made since. Such a
-    collection holds the GIL throughout, stopping the step thread and the event loop alike; over
-    a worker's start-up heap it took 40-120 ms on a CPU (a router's, 98 ms, mid-burst). What
+    collection holds the GIL throughout, stopping the step thread and the event loop alike, for
+    tens of milliseconds over a worker's start-up heap (bench/results/h100-gc-freeze/). What
     start-up made is meant to live as long as the process."""
     gc.collect()
     gc.freeze()

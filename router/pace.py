@@ -10,8 +10,8 @@ change; only how they are grouped.
 
 Falling behind is read two ways. The event loop: a timer that should fire every ``period_s``
 fires late by however long the callbacks queued before it took. And the process's CPU: a router
-busy 90% of each tenth of a second is at its limit (with lateness alone, one router on an H200
-host kept falling back into saturation: bench/reference/h200/router-pace/). The interval halves
+busy 90% of each tenth of a second is at its limit (with lateness alone, a saturated router
+kept falling back into saturation: bench/results/h200-router-pace/). The interval halves
 only while both say there is room: the loop on time and the process under 40% busy (at half the
 interval it will be about twice as busy).
 """

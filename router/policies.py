@@ -165,8 +165,7 @@ def prefer_same_gpu(candidates: Sequence[Worker], decode: Worker, chosen: tuple[
 
     On a GPU both roles share, the KV then moves within the GPU. Paired across GPUs, the prefill
     process also launches the copy's last kernel on the decode worker's GPU, a third process
-    time-sharing it (2x H200, both roles on each GPU, pairs picked apart: a prefill worker was
-    busy 0.38 s for its half of a burst, against 0.23 s for the same half on one GPU alone)."""
+    time-sharing it, and prefill takes longer (bench/results/h200x2-both-roles-each-gpu/)."""
     worker, reason = chosen
     gpu = gpu_of(decode)
     if not gpu or gpu_of(worker) == gpu or reason == "cached_prefix":

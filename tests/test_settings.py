@@ -155,7 +155,7 @@ def test_prefill_chunk_auto_follows_the_model_size_and_the_pool():
     assert auto_chunk_size(model_config("qwen3-0.6b")) == 16384
     assert auto_chunk_size(model_config("tiny")) == 16384
     # At most half the prefill pool in whole pages, at least a page: llama3-8b's pool beside
-    # its weights on an H100 shared with decode (about 6,464 tokens) keeps its 2,048.
+    # its weights on an 80 GB GPU shared with decode (about 6,464 tokens) keeps its 2,048.
     assert auto_chunk_size(model_config("llama3-8b"), pool_tokens=6464, page_size=16) == 2048
     assert auto_chunk_size(model_config("qwen3-0.6b"), pool_tokens=10_000, page_size=16) == 4992
     assert auto_chunk_size(model_config("qwen3-0.6b"), pool_tokens=16, page_size=16) == 16
@@ -191,9 +191,9 @@ def test_the_router_does_not_import_torch():
 
 def test_an_automatic_gpu_pool_grows_into_the_headroom_towards_its_minimum(monkeypatch):
     """A prefill pool on a shared GPU holds at least a prompt of the longest context and a
-    step, taking up to 2% of the GPU beyond its share for it (llama3-8b's share of an H100
-    beside decode held only about 6,500 tokens: longer prompts were refused); a minimum out of
-    reach leaves the pool at share + 2%. Run through the CUDA sizing path with the device's
+    step, taking up to 2% of the GPU beyond its share for it (llama3-8b's share of an 80 GB GPU
+    beside decode holds only about 6,500 tokens: longer prompts would be refused); a minimum
+    out of reach leaves the pool at share + 2%. Run through the CUDA sizing path with the device's
     memory figures stubbed (no GPU here)."""
     import torch
 
@@ -208,7 +208,7 @@ def test_an_automatic_gpu_pool_grows_into_the_headroom_towards_its_minimum(monke
     assert with_minimum(1 * gib, 2 * gib, 80 * gib) == 2 * gib        # raised to the minimum
     assert with_minimum(1 * gib, 20 * gib, 100 * gib) == 3 * gib      # at most 2% of 100 GiB
 
-    total, weights = 85_017_755_648, 8_030_261_248 * 2   # an H100's bytes; llama3-8b's bf16
+    total, weights = 85_017_755_648, 8_030_261_248 * 2   # an 80 GB GPU's bytes; llama3-8b's bf16
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total // 2, total))
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: weights)

@@ -26,19 +26,17 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 WORKSPACE_BYTES = 128 << 20
 # Decode on tensor cores where a KV head serves this many query heads, or the batch has this many
-# rows. Measured on an H200 (`bench/decode_attention.py`, one layer, contexts drawn from
-# 100..2048; bench/reference/h200/decode-tensor-cores): with 2 query heads per KV head
-# (qwen3-0.6b) the CUDA-core kernel took 26.4 against 29.8 us at batch 16 and 45.0 against 45.9 at
-# 32, but 86.8 against 84.9 at 64, 195 against 146 at 128 and 332 against 281 at 256; with 4
-# (llama3-8b) tensor cores won at every batch (77.9 against 131 us at 64).
+# rows: from there FlashInfer's tensor-core kernel is as fast as its CUDA-core one or faster,
+# below both slower (bench/results/h200-decode-tensor-cores/).
 TENSOR_CORE_MIN_GROUP = 4
 TENSOR_CORE_MIN_BATCH = 64
 # FlashInfer before this version runs every JIT module's ninja in one build directory, with a
 # lock per module: two processes building different modules at once (a decode worker building
 # its CUDA-core kernel while another builds its tensor-core one, or the norm) lose each other's
-# entries in ninja's log there, and every later process on the machine rebuilds them (about 30 s
-# of nvcc per worker on an H200, for each restart too). 0.6.1 gives each module its own directory
-# (flashinfer-ai/flashinfer#2339); before it, pdserve's processes build one module at a time.
+# entries in ninja's log there, and every later process on the machine rebuilds them (tens of
+# seconds of nvcc per worker, on every start and restart: bench/results/h100-jit-cache/). 0.6.1
+# gives each module its own directory (flashinfer-ai/flashinfer#2339); before it, pdserve's
+# processes build one module at a time.
 OWN_BUILD_DIRS_SINCE = "0.6.1"
 # A module's build_and_load taking longer than this ran nvcc (loading a built one, ninja
 # included, takes well under a second), and is logged: a first start is otherwise silent.
@@ -84,10 +82,9 @@ def _build_one_module_at_a_time() -> None:
 class HostLengths(torch.Tensor):
     """Sequence lengths on the host as FlashInfer's ``plan()`` takes them, iterated as numpy
     scalars. FlashInfer 0.5.3's tensor-core decode plan takes their maximum with Python's
-    ``max()``, which walks a tensor element by element, a comparison op per row: on an H200
-    host a decode launch at batch 256 took 1.5-2.0 ms of host time that way and 0.85-0.92 ms
-    with these (`bench/decode_host.py`, bench/reference/h200/tp-shard-and-host). Every torch op
-    on one returns a plain tensor."""
+    ``max()``, which walks a tensor element by element, a comparison op per row: at batch 256
+    that is about half a decode launch's host time (bench/results/h200-tp-shard-and-host/).
+    Every torch op on one returns a plain tensor."""
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 

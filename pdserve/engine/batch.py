@@ -40,8 +40,8 @@ def arange_on(device: torch.device, n: int, dtype: torch.dtype = torch.long) -> 
 class StagingRing:
     """Page-locked host blocks and their device blocks, allocated once and written in turn, for
     uploads a decode step makes every time. `upload` costs, per call, torch's page-locked
-    allocation and a driver query of whether the source is page-locked (0.3 ms together on an
-    H100 host, for a few hundred bytes); here a call costs a numpy copy into the block and one
+    allocation and a driver query of whether the source is page-locked (about 0.3 ms together,
+    for a few hundred bytes); here a call costs a numpy copy into the block and one
     asynchronous copy of all its arrays. A host block is rewritten only once its last copy has
     run (an event per block); a device block once every kernel enqueued before that copy on
     the stream has read it, in stream order: what a block holds must be read on the stream it

@@ -123,8 +123,8 @@ class CudaGraphRunner:
     def replay_batch(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [batch_size, vocab] in the model's dtype of a decode step already padded to a
         captured size, its inputs on the device (valid until the next replay). The sampler reads
-        them as they are: a float32 copy of a decode batch's logits cost an H200 35 us a
-        qwen3-0.6b step, and the sampling kernel twice the reads."""
+        them as they are: a float32 copy would be one more kernel a step and double the
+        sampler's reads (bench/results/h200-sampling-split/)."""
         bs = batch.batch_size
         batch = self._into_buffers(batch)
         self.attn.prepare_for_replay(batch)

@@ -16,9 +16,9 @@ import triton
 import triton.language as tl
 
 BLOCK = 2048
-# Programs a row's scan is split over, per SM, for the whole batch: one program per row left an
-# H200 reading logits at a small fraction of its bandwidth at decode batches (0.137 ms at batch
-# 64, 3.6% of a qwen3-0.6b step), and a single row (batch 1) on one SM.
+# Programs per SM that the batch's row scans are split over: enough to fill the GPU at any batch
+# (one program a row reads logits far below the bandwidth); 2 to 32 time alike
+# (bench/results/h200-sampling-split/).
 PROGRAMS_PER_SM = 4
 
 

@@ -36,8 +36,8 @@ def _gemv(x, w, bias, y, N, K, w_stride, HAS_BIAS: tl.constexpr, BLOCK_N: tl.con
 
 
 def _config(n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps), from a sweep on the H100 with weights not in L2: whole
-    2048-wide slices of one row per step; two rows per program for short rows."""
+    """(BLOCK_N, BLOCK_K, num_warps), from a sweep with weights not in L2: whole 2048-wide
+    slices of one row per step; two rows per program for short rows."""
     return (2 if k <= 1024 else 1), min(2048, triton.next_power_of_2(k)), 4
 
 

@@ -54,7 +54,7 @@ class CudaOps(TorchOps):
 
     The norms call sgl_kernel's compiled ops, not its Python ``rmsnorm``: with FlashInfer
     installed that one hands the call to FlashInfer's norm, which nvcc builds on first use in
-    each worker of a new machine (13 s on an H200) for the same kernel."""
+    each worker of a new machine (bench/results/h100-jit-cache/) for the same kernel."""
 
     name = "sgl_kernel"
     has_gemv = True
