@@ -13,6 +13,10 @@ whether its writes have landed, so it is the one that says so.
 
 Commits and landed reports go through the link's ``Reports`` (kv_transfer.link): those of every
 prompt a step finished share one Report call to their decode worker.
+
+A worker's Handoffs runs each prompt's Handoff once its last step is collected, answers the
+prompt's caller with its first token or the error, and frees the prompt's pages once no write
+reads them, however the request ends.
 """
 from __future__ import annotations
 
@@ -20,11 +24,17 @@ import asyncio
 import functools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kv_transfer.base import KVTarget, LayerwiseSender, PageWrite
 from kv_transfer.link import DecodeLink, DecodeLinks
 from pdserve.errors import TransferFailed
+
+if TYPE_CHECKING:
+    from pdserve.metrics import PrefillMetrics
+    from prefill_service.scheduler import PrefillTask
 
 log = logging.getLogger(__name__)
 
@@ -133,4 +143,82 @@ class Handoff:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
+
+
+class Handoffs:
+    """The hand-offs of one prefill worker's prompts, from the end of a prompt's last step until
+    its pages are free; ``free`` frees a prompt's pages (the scheduler's)."""
+
+    def __init__(self, metrics: PrefillMetrics, free: Callable[[PrefillTask], None]) -> None:
+        self.metrics = metrics
+        self._free = free
+        self._running: set[PrefillTask] = set()
+        self._background: set[asyncio.Task] = set()
+
+    def __len__(self) -> int:
+        """Prompts whose hand-off has started and not ended."""
+        return len(self._running)
+
+    def start(self, task: PrefillTask, first_token: int) -> None:
+        """After the prompt's last step: moves its KV and commits it, then answers its caller
+        with ``first_token`` (or the error)."""
+        self._running.add(task)
+        task.transfer = asyncio.get_running_loop().create_task(self._hand_off(task, first_token))
+        task.transfer.add_done_callback(lambda _, t=task: self._ended(t))
+
+    async def _hand_off(self, task: PrefillTask, first_token: int) -> None:
+        try:
+            done = await task.handoff.finish(task.pages)
+        except Exception as err:
+            self.metrics.transfer_errors.inc()
+            log.warning("request %s: %s", task.request_id, err)
+            if not task.result.done():
+                task.result.set_exception(err)
+            return
+        self.metrics.transfer_duration.observe(done.duration_s)
+        self.metrics.transfer_size.observe(done.bytes_moved)
+        self.metrics.transfer_bytes.inc(done.bytes_moved)
+        self.metrics.transfers.labels(done.engine, done.mode).inc()
+        if not task.result.done():
+            task.result.set_result(first_token)
+
+    def _ended(self, task: PrefillTask) -> None:
+        """Runs however the hand-off ended, even cancelled before it started."""
+        self._running.discard(task)
+        if not task.result.done():
+            task.result.cancel()
+        self.release(task)
+
+    def release(self, task: PrefillTask) -> None:
+        """Frees the task's pages once no write is reading them."""
+        write = task.handoff.write
+        if write is not None and not write.done:
+            async def later() -> None:
+                await task.handoff.settle()
+                self._free(task)
+
+            self._spawn(later())
+        else:
+            self._free(task)
+
+    def give_up(self, task: PrefillTask) -> None:
+        """After a failed or cancelled request: its hand-off tells the decode worker once none
+        of its writes can land (in the background)."""
+        async def run() -> None:
+            if task.transfer is not None:
+                await asyncio.wait([task.transfer])
+            await task.handoff.give_up()
+
+        self._spawn(run())
+
+    def close(self) -> None:
+        """Cancels what runs in the background (give-ups, frees waiting for writes)."""
+        for background in list(self._background):
+            background.cancel()
+
+    def _spawn(self, coro) -> asyncio.Task:  # noqa: ANN001
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
         return task

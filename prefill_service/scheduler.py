@@ -37,7 +37,7 @@ from pdserve.kvcache.prefix_pages import PrefixPages, PromptPages
 from pdserve.metrics import PrefillMetrics
 from pdserve.models.config import ModelConfig
 from pdserve.sampling_params import SamplingParams, sample_row
-from prefill_service.handoff import Handoff
+from prefill_service.handoff import Handoff, Handoffs
 from prefill_service.leases import LeaseKeeper
 
 log = logging.getLogger(__name__)
@@ -134,13 +134,12 @@ class PrefillScheduler:
         self.metrics = metrics
         self._waiting: deque[PrefillTask] = deque()    # no pages yet
         self._running: list[PrefillTask] = []           # pages held, prompt not done
-        self._transferring: set[PrefillTask] = set()
         self._in_flight: list[PrefillStep] = []        # planned, not yet finished (two at most)
         self._overlap: Overlap[PrefillStep] = Overlap(overlap)
         self._timer = StepTimer(metrics.step_duration)
         self._thread = StepThread("prefill-step")
         self._wake = asyncio.Event()
-        self._background: set[asyncio.Task] = set()
+        self.handoffs = Handoffs(metrics, self._free)
         self.pages = PrefixPages(self.pool.allocator, self.pool.page_size, prefix_cache,
                                  on_evict=metrics.cache_evicted_pages.inc)
         metrics.watch_pool(self.pool.allocator, lambda: self.pages.held_pages)
@@ -153,7 +152,7 @@ class PrefillScheduler:
 
     @property
     def num_running(self) -> int:
-        return len(self._running) + len(self._transferring)
+        return len(self._running) + len(self.handoffs)
 
     @property
     def num_waiting(self) -> int:
@@ -191,16 +190,6 @@ class PrefillScheduler:
             if not task.result.done():
                 self.abort(task)
 
-    def give_up(self, task: PrefillTask) -> None:
-        """After a failed or cancelled request: its hand-off tells the decode worker once none
-        of its writes can land (in the background)."""
-        async def run() -> None:
-            if task.transfer is not None:
-                await asyncio.wait([task.transfer])
-            await task.handoff.give_up()
-
-        self._spawn(run())
-
     def abort(self, task: PrefillTask, error: Exception | None = None) -> None:
         """Drops ``task`` wherever it is, freeing its pages once nothing reads them; its
         caller gets ``error`` (or a cancellation)."""
@@ -210,7 +199,7 @@ class PrefillScheduler:
         if task in self._running:
             self._running.remove(task)
             if task not in self._in_step:
-                self._release(task)
+                self.handoffs.release(task)
         if task.transfer is not None:
             task.transfer.cancel()  # its done callback frees the pages, started or not
         if not task.result.done():
@@ -361,7 +350,7 @@ class PrefillScheduler:
                 if task in self._running:
                     self._running.remove(task)
                 if task not in later:  # else that step's collection frees them
-                    self._release(task)
+                    self.handoffs.release(task)
                 continue
             task.computed += taken
             self.metrics.computed_tokens.inc(taken)
@@ -371,63 +360,20 @@ class PrefillScheduler:
             if task.remaining == 0:
                 self._running.remove(task)
                 self.metrics.prompt_tokens.inc(len(task.prompt_ids))
-                self._transferring.add(task)
-                task.transfer = asyncio.get_running_loop().create_task(self._hand_off(task, token))
-                task.transfer.add_done_callback(lambda _, t=task: self._transfer_ended(t))
-
-    async def _hand_off(self, task: PrefillTask, first_token: int) -> None:
-        try:
-            done = await task.handoff.finish(task.pages)
-        except Exception as err:
-            self.metrics.transfer_errors.inc()
-            log.warning("request %s: %s", task.request_id, err)
-            if not task.result.done():
-                task.result.set_exception(err)
-            return
-        self.metrics.transfer_duration.observe(done.duration_s)
-        self.metrics.transfer_size.observe(done.bytes_moved)
-        self.metrics.transfer_bytes.inc(done.bytes_moved)
-        self.metrics.transfers.labels(done.engine, done.mode).inc()
-        if not task.result.done():
-            task.result.set_result(first_token)
-
-    def _transfer_ended(self, task: PrefillTask) -> None:
-        """Runs however the hand-off ended, even cancelled before it started."""
-        self._transferring.discard(task)
-        if not task.result.done():
-            task.result.cancel()
-        self._release(task)
-
-    def _release(self, task: PrefillTask) -> None:
-        """Frees the task's pages once no write is reading them."""
-        write = task.handoff.write
-        if write is not None and not write.done:
-            async def later() -> None:
-                await task.handoff.settle()
-                self._free(task)
-
-            self._spawn(later())
-        else:
-            self._free(task)
+                self.handoffs.start(task, token)
 
     def _free(self, task: PrefillTask) -> None:
+        """Frees the task's pages now (its hand-offs call it once no write reads them)."""
         if task.page_set is not None and not task.page_set.released:
             task.pages = []
             self.pages.release(task.page_set)
             self._wake.set()  # waiting prompts may fit now
 
-    def _spawn(self, coro) -> asyncio.Task:  # noqa: ANN001
-        task = asyncio.get_running_loop().create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        return task
-
     def _publish_load(self) -> None:
         self.metrics.set_load(self.num_running, self.num_waiting)
 
     async def shutdown(self) -> None:
-        for task in list(self._background):
-            task.cancel()
+        self.handoffs.close()
         # On the step thread, after any step in flight (a trace being taken is written).
         try:
             await asyncio.wait_for(self._thread.run(self.runner.profiler.close), PROFILER_CLOSE_S)

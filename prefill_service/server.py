@@ -71,7 +71,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         finally:
             self.scheduler.metrics.request_done(outcome)
             if outcome != "finished":  # the reservation may be fenced for fear of our writes
-                self.scheduler.give_up(task)
+                self.scheduler.handoffs.give_up(task)
         return prefill_pb2.PrefillResponse(first_token_id=first_token)
 
     @map_errors
