@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from pdserve import __version__
+from pdserve.cluster_plan import ROUTER_SET_BY_LAUNCHER
 from pdserve.config import (
     DecodeConfig,
     EngineConfig,
@@ -19,7 +20,6 @@ from pdserve.config import (
     ServerConfig,
 )
 from pdserve.errors import ConfigError, EngineLoopDied
-from pdserve.launcher import ROUTER_SET_BY_LAUNCHER
 from pdserve.settings import add_flags, flag_kinds, from_args
 
 # The configs each role's command takes its flags from, in the order --help shows them.
@@ -136,7 +136,8 @@ def _run(args: argparse.Namespace) -> int:
 
     setup_logging(args.log_level)
     if args.command == "up":
-        from pdserve.launcher import ClusterPlan, run_cluster
+        from pdserve.cluster_plan import ClusterPlan
+        from pdserve.launcher import run_cluster
 
         return run_cluster(ClusterPlan.from_args(args))
     from pdserve.serving import die_with_launcher

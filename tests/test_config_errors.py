@@ -148,7 +148,7 @@ def test_nixl_that_is_not_installed_is_one_line_before_any_child(monkeypatch):
     """NIXL is installed where the tests run, so its absence is patched in: `up` checks the
     engine before it starts anything (it used to fail later as a layout mismatch)."""
     from pdserve import preflight
-    from pdserve.launcher import ClusterPlan
+    from pdserve.cluster_plan import ClusterPlan
 
     monkeypatch.setattr(preflight, "nixl_installed", lambda: False)
     plan = ClusterPlan.from_args(build_parser().parse_args(

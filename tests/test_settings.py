@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from pdserve.cli import build_parser, role_config
+from pdserve.cluster_plan import YIELD_TO_PREFILL_MS, ClusterPlan
 from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig, RouterConfig
-from pdserve.launcher import YIELD_TO_PREFILL_MS, ClusterPlan
 from pdserve.sampling_params import SamplingParams, finish_reason, sample_row
 from pdserve.settings import to_argv
 
@@ -112,7 +112,7 @@ def test_up_resolves_auto_devices_and_router_count_from_the_host(monkeypatch):
     """--device auto shares a GPU only on a host with one (a CPU cluster neither splits memory
     nor yields to prefill); --routers auto starts one router per 4 cores, at most 4 for each
     GPU the workers use, and one on the CPU."""
-    import pdserve.launcher as launcher
+    import pdserve.cluster_plan as cluster_plan
 
     def plan_for(*flags):
         return ClusterPlan.from_args(build_parser().parse_args(["up", *flags]))
@@ -122,27 +122,27 @@ def test_up_resolves_auto_devices_and_router_count_from_the_host(monkeypatch):
             ["decode", *plan.worker_argv("decode", 0)])).yield_to_prefill_ms
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")   # hides any GPU this host has
-    assert not launcher._host_has_gpu()
-    monkeypatch.setattr(launcher, "_host_has_gpu", lambda: False)
-    monkeypatch.setattr(launcher.os, "cpu_count", lambda: 16)
+    assert not cluster_plan._host_has_gpu()
+    monkeypatch.setattr(cluster_plan, "_host_has_gpu", lambda: False)
+    monkeypatch.setattr(cluster_plan.os, "cpu_count", lambda: 16)
     assert yield_ms(plan_for()) == 0
     assert plan_for().router_count() == 1
     assert plan_for("--device", "cuda").router_count() == 4
     assert plan_for("--routers", "3").router_count() == 3
-    monkeypatch.setattr(launcher, "_host_has_gpu", lambda: True)
+    monkeypatch.setattr(cluster_plan, "_host_has_gpu", lambda: True)
     assert yield_ms(plan_for()) == YIELD_TO_PREFILL_MS
     assert plan_for().router_count() == 4
     assert plan_for("--device", "cpu").router_count() == 1
-    monkeypatch.setattr(launcher.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(cluster_plan.os, "cpu_count", lambda: 2)
     assert plan_for().router_count() == 1
-    monkeypatch.setattr(launcher.os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(cluster_plan.os, "cpu_count", lambda: 64)
     assert plan_for().router_count() == 4
     # Four for each GPU the workers use: two GPUs, eight routers, where the cores allow.
     two = ("--prefill-devices", "cuda:0,cuda:1", "--decode-devices", "cuda:0,cuda:1")
     assert plan_for(*two).router_count() == 8
     assert plan_for("--prefill-devices", "cuda:0", "--decode-devices", "cuda:1").router_count() == 8
     assert plan_for("--decode", "2", "--decode-devices", "cuda,cuda:0").router_count() == 4
-    monkeypatch.setattr(launcher.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(cluster_plan.os, "cpu_count", lambda: 16)
     assert plan_for(*two).router_count() == 4
 
 
