@@ -44,12 +44,9 @@ log = logging.getLogger(__name__)
 PROFILER_CLOSE_S = 30.0   # shutdown waits this long for the step thread to write a trace
 
 # --chunk-size auto: a step of about this many FLOPs, within these bounds. A step costs a fixed
-# host time (a kernel launch per op per layer, under a GIL the event loop shares) besides its
-# GPU time; a small model needs more tokens per step to amortise it. Measured on an H100
-# (`bench/throughput.py`'s burst, one GPU): qwen3-0.6b prefilled 144k prompt tokens in 71
-# steps of 2,048 tokens taking 2.5-3.1 s, in 19 steps of 8,192 taking 1.5 s; llama3-8b was
-# slower at 8,192 than at 2,048 (its prefill pool, beside two copies of 16 GB of weights,
-# holds few such steps).
+# host time (a kernel launch per op per layer, under a GIL the event loop shares) besides its GPU
+# time, so a small model needs more tokens per step to amortise it, while a large one's steps
+# are GPU-bound and its pool beside decode holds few large ones (bench/results/h100-prefill-host/).
 AUTO_CHUNK_FLOPS = 16e12
 AUTO_CHUNK_TOKENS = (2048, 16384)
 
@@ -60,11 +57,7 @@ def auto_chunk_size(model: ModelConfig, pool_tokens: int | None = None,
     AUTO_CHUNK_FLOPS of linear-layer work, within AUTO_CHUNK_TOKENS (2,048 for an 8B model,
     16,384 for a 0.6B one), and, given the KV pool's size, at most half of it in whole pages
     (the previous step's prompts are still being written out to decode meanwhile), at least
-    a page. On an H100 shared with decode, llama3-8b's prefill pool holds about 6,500 tokens
-    beside its weights: steps of 2,048 ran full, steps of 8,192 could not; steps of 4,096 gave
-    no more throughput. qwen3-0.6b's steps are host-bound (a step's launches cost about the
-    same at any size): 16,384 tokens a step served a 256-request burst at 17,721-17,941 output
-    tok/s against 16,674-17,267 at 8,192 (2026-11-24)."""
+    a page."""
     per_layer = (model.hidden_size * (model.q_size + 2 * model.kv_size)
                  + model.q_size * model.hidden_size + 3 * model.hidden_size * model.intermediate_size)
     flops_per_token = 2 * model.num_layers * per_layer
