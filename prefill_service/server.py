@@ -26,8 +26,9 @@ from pdserve.serving import (
     start_metrics,
     worker_id,
 )
+from prefill_service.chunk_size import auto_chunk_size
 from prefill_service.handoff import Handoff
-from prefill_service.scheduler import PrefillScheduler, PrefillTask, auto_chunk_size
+from prefill_service.scheduler import PrefillScheduler, PrefillTask
 from protos.pdserve.v1 import prefill_pb2, prefill_pb2_grpc, worker_pb2
 
 log = logging.getLogger(__name__)

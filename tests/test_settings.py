@@ -148,7 +148,7 @@ def test_up_resolves_auto_devices_and_router_count_from_the_host(monkeypatch):
 
 def test_prefill_chunk_auto_follows_the_model_size_and_the_pool():
     from pdserve.models.presets import model_config
-    from prefill_service.scheduler import auto_chunk_size
+    from prefill_service.chunk_size import auto_chunk_size
 
     assert auto_chunk_size(model_config("llama3-8b")) == 2048
     assert auto_chunk_size(model_config("qwen3-8b")) == 2048
