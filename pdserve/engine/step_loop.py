@@ -102,11 +102,11 @@ class TimedStep(Protocol):
     launched_at: float
 
 
-class Observer(Protocol):
+class Observer(Protocol):        # a histogram
     def observe(self, amount: float) -> None: ...
 
 
-class Accumulator(Protocol):
+class Accumulator(Protocol):     # a counter
     def inc(self, amount: float) -> None: ...
 
 
@@ -140,6 +140,7 @@ class StepTimer:
         step.launched_at = time.perf_counter()
 
     def since_launch(self, step: TimedStep) -> float:
+        """Seconds since ``step``'s launch began."""
         return time.perf_counter() - step.launched_at
 
     def collected(self, step: TimedStep) -> None:
