@@ -15,9 +15,10 @@ streams' outboxes) and the requests whose pages may be freed (reservations are t
 
 On a GPU it shares with a prefill worker (``yield_to_prefill_s`` > 0) the loop lets prefill go
 first, as a one-process engine schedules a waiting prompt before the next decode step: while
-prompts reserved here are still being prefilled, and prefill keeps making progress on them, it
-waits up to ``yield_to_prefill_s`` between steps instead of time-sharing the GPU with every
-prefill step. Decode steps taken at a small batch while a burst is prefilled cost nearly a full
+prompts reserved here are still being prefilled, prefill keeps making progress on them, and a
+prefill step is running on this GPU (``engine/gpu_share.py``), it waits up to
+``yield_to_prefill_s`` between steps instead of time-sharing the GPU with every prefill step;
+a prompt's time in gRPC, queues and transfers holds decode back no longer. Decode steps taken at a small batch while a burst is prefilled cost nearly a full
 step each and slow the prefill that would fill the batch; yielding lets the burst land first.
 """
 from __future__ import annotations
@@ -35,6 +36,7 @@ from decode_service.outbox import Outbox
 from decode_service.reservations import Reservation, ReservationTable
 from pdserve.engine.decode_slots import SlotJoin
 from pdserve.engine.decode_steps import DecodeSteps, StepPlan
+from pdserve.engine.gpu_share import PrefillWatch
 from pdserve.engine.launched_step import LaunchedStep
 from pdserve.engine.step_loop import Overlap, StepThread, StepTimer
 from pdserve.metrics import DecodeMetrics
@@ -99,17 +101,20 @@ class StepOutput:
 _STOP = object()
 _WAKE = object()
 PREFILL_STALL_S = 1.0   # prefill progress older than this no longer holds decode steps back
+WATCH_POLL_S = 0.0005   # how often a yield looks again whether the prefill step has ended
 
 
 class DecodeLoop:
     def __init__(self, steps: DecodeSteps, table: ReservationTable, max_running: int,
                  metrics: DecodeMetrics, overlap: bool = True,
-                 yield_to_prefill_s: float = 0.0) -> None:
+                 yield_to_prefill_s: float = 0.0,
+                 prefill_watch: PrefillWatch | None = None) -> None:
         self.steps = steps
         self.table = table
         self.max_running = min(max_running, steps.slots.max_slots)
         self.metrics = metrics
         self.yield_to_prefill_s = yield_to_prefill_s
+        self.prefill_watch = prefill_watch   # prefill steps running on this GPU, if known
         if yield_to_prefill_s > 0:   # the last prompt prefilled ends a wait at once
             table.on_prefill_idle = lambda: self._commands.put(_WAKE)
         # The event loop's side.
@@ -236,14 +241,19 @@ class DecodeLoop:
     def _yield_left(self) -> float:
         """How much longer the next step waits for prefill (0: launch it now): up to
         ``yield_to_prefill_s`` since the last step, while prompts reserved here are being
-        prefilled and one joined or left that set within PREFILL_STALL_S. A prefill that makes
+        prefilled, one joined or left that set within PREFILL_STALL_S, and (where the prefill
+        workers on this GPU are watched) a prefill step is running on it. A prefill that makes
         no progress (a reservation whose router went away, a prompt queued elsewhere) stops
-        holding decode back."""
+        holding decode back, and so does the time a prompt spends off the GPU."""
         if self.yield_to_prefill_s <= 0 or not self.table.num_prefilling:
+            return 0.0
+        watched = self.prefill_watch is not None
+        if watched and not self.prefill_watch.busy():
             return 0.0
         now = time.monotonic()
         stalls_in = PREFILL_STALL_S - (now - self.table.prefill_progress_at)
-        return max(0.0, min(stalls_in, self.yield_to_prefill_s - (now - self._last_launched_at)))
+        left = max(0.0, min(stalls_in, self.yield_to_prefill_s - (now - self._last_launched_at)))
+        return min(left, WATCH_POLL_S) if watched else left
 
     def _take_commands(self, block: bool, timeout: float | None = None) -> bool:
         """New requests and cancels; False once the loop must stop."""

@@ -15,6 +15,7 @@ from kv_transfer.base import KVTarget
 from kv_transfer.service import KVTransferServicer, offered_engines
 from pdserve.config import DecodeConfig
 from pdserve.engine.decode_steps import DecodeSteps
+from pdserve.engine.gpu_share import PrefillWatch
 from pdserve.engine.runner import ModelRunner
 from pdserve.errors import InvalidRequest, PdserveError, status_number
 from pdserve.grpc_util import Server, map_errors
@@ -180,10 +181,12 @@ async def serve(config: DecodeConfig) -> None:
                              unseen_writes_possible=writes_unseen(engines),
                              metrics=metrics)
     metrics.watch_pool(runner.pool.allocator, lambda: table.held_pages)
+    gpu = gpu_uuid(runner.device)   # yields only while a prefill step runs on this GPU
     loop = DecodeLoop(DecodeSteps(runner, config.max_running_requests), table,
                       config.max_running_requests, metrics,
                       overlap=config.engine.overlap_scheduling,
-                      yield_to_prefill_s=max(0.0, config.yield_to_prefill_ms) / 1000)
+                      yield_to_prefill_s=max(0.0, config.yield_to_prefill_ms) / 1000,
+                      prefill_watch=PrefillWatch(gpu) if gpu else None)
     # Prefill workers write KV into our KVTransferService: on the main port, or on a port of its
     # own so a NetworkPolicy can open it to prefill pods alone.
     transfer_server = server

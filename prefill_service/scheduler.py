@@ -29,6 +29,7 @@ from kv_transfer.base import PageWrite
 from kv_transfer.link import DecodeLinks
 from pdserve.config import LOF_AGING_S, SCHEDULE_POLICIES
 from pdserve.engine.batch import SeqInput
+from pdserve.engine.gpu_share import PrefillActivity
 from pdserve.engine.launched_step import LaunchedStep
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.step_loop import Overlap, StepThread, StepTimer
@@ -86,7 +87,8 @@ class PrefillScheduler:
     def __init__(self, runner: ModelRunner, links: DecodeLinks, chunk_size: int, max_queued: int,
                  metrics: PrefillMetrics, layerwise: bool = True,
                  max_queue_wait_s: float = 60.0, prefix_cache: bool = True,
-                 policy: str = "fcfs", overlap: bool = True) -> None:
+                 policy: str = "fcfs", overlap: bool = True,
+                 activity: PrefillActivity | None = None) -> None:
         if policy not in SCHEDULE_POLICIES:
             raise ValueError(f"unknown schedule policy {policy!r}")
         self.runner = runner
@@ -99,6 +101,7 @@ class PrefillScheduler:
         self.chunk_size = chunk_size
         self.max_queued = max_queued
         self.metrics = metrics
+        self.activity = activity     # tells decode workers on this GPU when a step runs
         self._waiting: deque[PrefillTask] = deque()    # no pages yet
         self._running: list[PrefillTask] = []           # pages held, prompt not done
         self._in_flight: list[PrefillStep] = []        # planned, not yet finished (two at most)
@@ -284,6 +287,8 @@ class PrefillScheduler:
                 for t, n in step.plan]
         rows = [sample_row(t.params, t.prompt_ids, [], t.output_offset) for t, _ in step.plan]
         self._timer.launching(step)
+        if self.activity is not None:
+            self.activity.launching()
         try:
             step.launched = self.runner.launch(seqs, rows, PageWrite.fan_out(
                 step.writes, to_loop))
@@ -292,6 +297,8 @@ class PrefillScheduler:
         finally:
             for write in step.writes:
                 write.sealed = True
+            if self.activity is not None:
+                self.activity.launched(step.launched.done if step.launched else None)
         self.metrics.launch_duration.observe(self._timer.since_launch(step))
 
     def _collect(self, step: PrefillStep) -> None:
@@ -347,6 +354,8 @@ class PrefillScheduler:
         except asyncio.TimeoutError:
             log.warning("the step thread did not stop within %g s", PROFILER_CLOSE_S)
         self._thread.stop()
+        if self.activity is not None:
+            self.activity.close()
         await self.links.close()
 
 

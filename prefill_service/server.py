@@ -10,6 +10,7 @@ from kv_transfer import gpu_uuid
 from kv_transfer.base import KVTarget
 from kv_transfer.link import DecodeLinks
 from pdserve.config import PrefillConfig
+from pdserve.engine.gpu_share import PrefillActivity
 from pdserve.engine.runner import ModelRunner
 from pdserve.errors import InvalidRequest, NotPermitted, PdserveError
 from pdserve.grpc_util import map_errors
@@ -107,12 +108,14 @@ async def serve(config: PrefillConfig) -> None:
     worker = worker_id(config.server, "prefill", server.port)
     metrics = PrefillMetrics(worker, served_name(config.engine))
     links = DecodeLinks(runner.pool, config.transfer_timeout_s, identity, config.server.host)
+    gpu = gpu_uuid(runner.device)   # decode workers on this GPU yield while our steps run
     scheduler = PrefillScheduler(runner, links, chunk_size, config.max_queued_requests,
                                  metrics, layerwise=config.layerwise_transfer,
                                  max_queue_wait_s=config.max_queue_wait_s,
                                  prefix_cache=not config.disable_prefix_cache,
                                  policy=config.schedule_policy,
-                                 overlap=config.engine.overlap_scheduling)
+                                 overlap=config.engine.overlap_scheduling,
+                                 activity=PrefillActivity(gpu) if gpu else None)
     server.add(prefill_pb2_grpc.add_PrefillServiceServicer_to_server,
                PrefillServicer(runner, scheduler, worker, identity),
                [prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name])

@@ -5,6 +5,7 @@ back."""
 from __future__ import annotations
 
 import asyncio
+import uuid
 import random
 
 import pytest
@@ -15,6 +16,7 @@ from decode_service.scheduler import DecodeLoop, DecodeRequest
 from pdserve.engine import local
 from pdserve.engine.batch import SeqInput
 from pdserve.engine.decode_steps import DecodeSteps
+from pdserve.engine.gpu_share import PrefillActivity, PrefillWatch
 from pdserve.metrics import DecodeMetrics
 from pdserve.sampling_params import SamplingParams, sample_row
 
@@ -94,7 +96,8 @@ def test_stop_id_ends_a_request_early_with_overlap(tiny_runner):
     assert table.held_pages == 0
 
 
-async def _decode_beside_a_prefill(runner, commit_after_s: float | None) -> tuple[int, int, float]:
+async def _decode_beside_a_prefill(runner, commit_after_s: float | None,
+                                   prefill_watch=None) -> tuple[int, int, float]:
     """r0 decodes 30 tokens while r1's prompt is still being prefilled (reserved, not
     committed) and the loop yields to prefill for up to 1000 s a step. ``commit_after_s``: r1's
     prefill commits then (None: it never does). Returns (r0's tokens seen before the commit,
@@ -102,7 +105,7 @@ async def _decode_beside_a_prefill(runner, commit_after_s: float | None) -> tupl
     table = ReservationTable(runner.pool, 64, 5.0, 60.0, unseen_writes_possible=False)
     metrics = DecodeMetrics("test")
     loop = DecodeLoop(DecodeSteps(runner, MAX_RUNNING), table, MAX_RUNNING, metrics,
-                      yield_to_prefill_s=1000.0)
+                      yield_to_prefill_s=1000.0, prefill_watch=prefill_watch)
     task = asyncio.create_task(loop.run())
     outbox = Outbox()
     params = SamplingParams(max_new_tokens=30)
@@ -159,3 +162,21 @@ def test_decode_stops_holding_back_for_a_prefill_that_makes_no_progress(tiny_run
     monkeypatch.setattr(scheduler, "PREFILL_STALL_S", 0.2)
     _, total, _ = asyncio.run(_decode_beside_a_prefill(tiny_runner, None))
     assert total == 30   # r1 never committed; r0 still finished (the wait allowed was 1000 s)
+
+
+def test_decode_holds_back_only_while_a_prefill_step_runs_on_its_gpu(tiny_runner, monkeypatch):
+    import decode_service.scheduler as scheduler
+    monkeypatch.setattr(scheduler, "PREFILL_STALL_S", 1000.0)
+    gpu = f"test-{uuid.uuid4()}"
+    activity = PrefillActivity(gpu)    # this GPU's prefill worker, between steps
+    watch = PrefillWatch(gpu)
+    try:
+        before_commit, total, _ = asyncio.run(_decode_beside_a_prefill(tiny_runner, 5.0, watch))
+        assert before_commit is None and total == 30   # done before r1's commit: no step ran
+        activity.launching()                          # now one runs (until r1 commits)
+        before_commit, total, yielded = asyncio.run(
+            _decode_beside_a_prefill(tiny_runner, 0.5, watch))
+        assert before_commit <= 2 and total == 30 and yielded > 0
+    finally:
+        watch.close()
+        activity.close()

@@ -10,11 +10,22 @@ import uuid
 from pdserve.engine.gpu_share import SLOT, STALE_S, PrefillActivity, PrefillWatch, share_dir
 
 WRITER = """
-import sys
+import sys, threading
 from pdserve.engine.gpu_share import PrefillActivity
 activity = PrefillActivity(sys.argv[1])
+steps = []
 for line in sys.stdin:
-    getattr(activity, line.strip())()
+    command = line.strip()
+    if command == "launch":        # a step whose GPU work ends when told
+        steps.append(threading.Event())
+        activity.launching()
+        activity.launched(type("Done", (), {"synchronize": steps[-1].wait})())
+    elif command == "finish":      # the oldest step's GPU work ends
+        steps.pop(0).set()
+        while activity.in_flight > len(steps):
+            pass
+    else:
+        getattr(activity, command)()
     print("ok", flush=True)
 """
 
@@ -38,12 +49,12 @@ def test_decode_sees_another_process_s_prefill_step_while_it_runs():
         _tell(writer, "_publish")
         watch._scanned_at = -1e9          # look for writers now, not within a second
         assert not watch.busy()
-        _tell(writer, "launched")
-        _tell(writer, "launched")        # overlap: the next step before the last is read
+        _tell(writer, "launch")
+        _tell(writer, "launch")          # overlap: the next step before the last has run
         assert watch.busy()
-        _tell(writer, "collected")
+        _tell(writer, "finish")
         assert watch.busy()
-        _tell(writer, "collected")
+        _tell(writer, "finish")
         assert not watch.busy()
         _tell(writer, "close")
         watch._scanned_at = -1e9
@@ -59,7 +70,7 @@ def test_a_writer_killed_mid_step_stops_holding_decode_back():
     writer = _writer(gpu)
     watch = PrefillWatch(gpu)
     try:
-        _tell(writer, "launched")
+        _tell(writer, "launch")
         watch._scanned_at = -1e9
         assert watch.busy()
         writer.kill()
@@ -76,8 +87,11 @@ def test_a_slot_unchanged_for_longer_than_any_step_is_ignored():
     activity = PrefillActivity(gpu)
     watch = PrefillWatch(gpu)
     try:
-        activity.launched()
+        activity.launching()
         assert watch.busy()
+        activity.launched(None)           # a launch that failed counts no longer
+        assert not watch.busy()
+        activity.launching()
         SLOT.pack_into(activity._map, 0, 1, time.monotonic_ns() - int((STALE_S + 1) * 1e9))
         assert not watch.busy()
         assert activity.path.name == f"prefill-{os.getpid()}"

@@ -6,8 +6,11 @@ prefill worker publishes its steps in flight in a small file under /dev/shm name
 UUID, and a decode worker on that GPU reads them before each step, without a system call. The
 time a prompt spends in gRPC, in a queue or on the host costs decode nothing.
 
-Each prefill process owns one slot file (``prefill-<pid>``): two int64s, the steps it launched
-and has not yet collected, and when that count last changed (CLOCK_MONOTONIC ns). A reader
+Each prefill process owns one slot file (``prefill-<pid>``): two int64s, its steps being
+launched or running on the GPU, and when that count last changed (CLOCK_MONOTONIC ns). A step
+counts from the start of its launch until the GPU has finished it: a thread of the writer waits
+on each step's completion event, so a step counts no longer when the host is slow to collect
+it (prefill launches its next step before it collects the last). A reader
 ignores a slot whose count has not changed for ``STALE_S`` (a worker frozen or killed mid-step)
 and removes the files of processes that are gone.
 """
@@ -15,10 +18,13 @@ from __future__ import annotations
 
 import mmap
 import os
+import queue
 import struct
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 SLOT = struct.Struct("qq")            # steps in flight, monotonic ns of the last change
 STALE_S = 2.0                         # no prefill step takes this long; a slot this old is dead
@@ -43,22 +49,43 @@ class PrefillActivity:
         with open(self.path, "r+b") as f:
             self._map = mmap.mmap(f.fileno(), SLOT.size)
         self.in_flight = 0
+        self._lock = threading.Lock()
+        self._running: queue.SimpleQueue[Any] = queue.SimpleQueue()   # completion events
+        self._watcher: threading.Thread | None = None
         self._publish()
 
     def _publish(self) -> None:
         SLOT.pack_into(self._map, 0, self.in_flight, time.monotonic_ns())
 
-    def launched(self) -> None:
-        """A step was launched on the GPU."""
-        self.in_flight += 1
-        self._publish()
+    def _add(self, delta: int) -> None:
+        with self._lock:
+            self.in_flight = max(0, self.in_flight + delta)
+            self._publish()
 
-    def collected(self) -> None:
-        """A launched step's results were read: the GPU has finished it."""
-        self.in_flight = max(0, self.in_flight - 1)
-        self._publish()
+    def launching(self) -> None:
+        """A step's launch begins: the GPU starts on it as its kernels are enqueued."""
+        self._add(+1)
+
+    def launched(self, done: Any | None) -> None:
+        """The step is enqueued; ``done``: an event recorded after it (a CUDA event with a
+        blocking ``synchronize``), None if the launch failed."""
+        if done is None:
+            self._add(-1)
+            return
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch, name="prefill-gpu-share",
+                                             daemon=True)
+            self._watcher.start()
+        self._running.put(done)
+
+    def _watch(self) -> None:
+        while (done := self._running.get()) is not None:
+            done.synchronize()   # sleeps in the driver, without the GIL
+            self._add(-1)
 
     def close(self) -> None:
+        if self._watcher is not None:
+            self._running.put(None)
         self._map.close()
         self.path.unlink(missing_ok=True)
 
