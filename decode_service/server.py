@@ -172,6 +172,8 @@ async def serve(config: DecodeConfig) -> None:
     identity = Identity.from_config(config.server)
     favour_step_thread()
     runner = ModelRunner(config.engine, "decode", config.max_running_requests)
+    steps = DecodeSteps(runner, config.max_running_requests)
+    steps.warm_up()   # before SERVING: the first requests find every kernel built
     server = make_server(config.server, identity)
     worker = worker_id(config.server, "decode", server.port)
     metrics = DecodeMetrics(worker, served_name(config.engine))
@@ -182,7 +184,7 @@ async def serve(config: DecodeConfig) -> None:
                              metrics=metrics)
     metrics.watch_pool(runner.pool.allocator, lambda: table.held_pages)
     gpu = gpu_uuid(runner.device)   # yields only while a prefill step runs on this GPU
-    loop = DecodeLoop(DecodeSteps(runner, config.max_running_requests), table,
+    loop = DecodeLoop(steps, table,
                       config.max_running_requests, metrics,
                       overlap=config.engine.overlap_scheduling,
                       yield_to_prefill_s=max(0.0, config.yield_to_prefill_ms) / 1000,

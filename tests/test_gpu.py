@@ -699,3 +699,23 @@ def test_kv_cache_auto_splits_one_gpu_between_the_roles():
             "prefill"), (5, 40), seed=3)
     finally:
         stop_cluster(cluster)
+
+
+def test_warm_ups_build_every_kernel_and_leave_pool_and_slots_as_they_were():
+    """The workers' warm-ups before SERVING (prefill shapes and samplers, decode joins and
+    samplers) free every page and slot they took, and a step after them matches one without."""
+    from pdserve.engine.decode_steps import DecodeSteps
+
+    prefill = ModelRunner(EngineConfig(model="qwen3-0.6b", page_size=16, num_pages=512), "prefill")
+    free = prefill.pool.allocator.num_free
+    prefill.warm_up(2048)
+    assert prefill.pool.allocator.num_free == free
+    decode = ModelRunner(EngineConfig(model="small", page_size=16, num_pages=256,
+                                      cuda_graph_max_bs=8), "decode")
+    steps = DecodeSteps(decode, 8)
+    free = decode.pool.allocator.num_free
+    steps.warm_up()
+    assert decode.pool.allocator.num_free == free
+    assert all(p is None for p in steps.slots.params)
+    sampled = steps.slots.sampling(torch.arange(8, device=CUDA))
+    assert sampled.all_greedy and not sampled.any_filter and not sampled.any_penalty

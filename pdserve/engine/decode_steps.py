@@ -16,7 +16,7 @@ import torch
 from pdserve.engine.batch import ForwardBatch, StagingRing, paged_rows
 from pdserve.engine.decode_slots import DecodeSlots, SlotJoin
 from pdserve.engine.launched_step import LaunchedStep
-from pdserve.engine.runner import ModelRunner
+from pdserve.engine.runner import WARM_SAMPLING, ModelRunner
 from pdserve.engine.sampling import sample_tensors
 
 
@@ -87,6 +87,27 @@ class DecodeSteps:
         if done is not None:
             done.record(stream)
         return LaunchedStep("cuda_graph" if use_graph else "eager", out, n, done)
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """On a GPU, throwaway steps before serving: one request joining, then several at once,
+        greedy, sampled and filtered, two steps each, so the first requests do not wait for JIT
+        compiles (the slot kernels, the sampler). Not a step for ``--profile-steps``."""
+        if not self.on_cuda:
+            return
+        allocator = self.runner.pool.allocator
+        pages = [allocator.alloc(1) for _ in WARM_SAMPLING]
+        try:
+            with self.runner.on_device():
+                for rows in ([0], list(range(len(WARM_SAMPLING)))):
+                    joins = [SlotJoin(row, 0, 0, pages[row], WARM_SAMPLING[row], 0, None)
+                             for row in rows]
+                    self._launch(StepPlan(rows, [1] * len(rows), joins)).tokens()
+                    self._launch(StepPlan(rows, [2] * len(rows), [])).tokens()
+        finally:
+            for row, page in enumerate(pages):
+                self.slots.release(row)
+                allocator.free(page)
 
     def wait_idle(self) -> None:
         """Returns once the device has finished everything launched."""

@@ -82,6 +82,11 @@ class StepResult:
     mode: str               # "cuda_graph" (replayed a captured graph) or "eager"
 
 
+# The kinds of sampling a warm-up runs: each takes its own kernels the first time.
+WARM_SAMPLING = (SamplingParams(), SamplingParams(temperature=0.7, seed=1),
+                 SamplingParams(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, seed=2))
+
+
 class ModelRunner:
     """Owns the model, the KV pool and the attention backend of one worker."""
 
@@ -219,22 +224,33 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self, num_tokens: int) -> None:
-        """On a GPU, one throwaway forward and sampling of a ``num_tokens`` prompt, so that the
-        first request served does not wait for the step's JIT compiles (Triton) and kernel
-        choices (cuBLAS, attention). Not a step: ``--profile-steps`` counts served steps, all
-        of them launched on the thread that serves (a trace is started and stopped on one)."""
+        """On a GPU, throwaway prefill steps before serving, in the shapes traffic brings: a
+        whole chunk of ``num_tokens``; several prompts of odd lengths (Triton specialises on a
+        length's divisibility), one extending a cached prefix, sampled greedily, with
+        temperature and with filters; and a prompt too short for the fused kernels. So the first
+        requests do not wait for JIT compiles (Triton) and kernel choices (cuBLAS, attention).
+        Not a step: ``--profile-steps`` counts served steps, all of them launched on the thread
+        that serves (a trace is started and stopped on one)."""
         if self.device.type != "cuda":
             return
         num_tokens = min(num_tokens, self.model_config.max_model_len,
                          self.pool.allocator.num_free * self.pool.page_size)
-        pages = self.pool.allocator.alloc(self.pool.pages_for(num_tokens))
-        try:
-            with self.on_device():
-                sample(self.forward([SeqInput([0] * num_tokens, 0, pages)]),
-                       [SampleRow(SamplingParams(), 0)])
-                torch.cuda.synchronize(self.device)
-        finally:
-            self.pool.allocator.free(pages)
+        odd = min(num_tokens // 2, 1024) | 1
+        steps = [[(num_tokens, 0)], [(odd, 0), (odd // 2 | 1, 16), (5, 0), (1, 0)], [(3, 0)]]
+        for lengths in steps:
+            if sum(n for n, _ in lengths) > num_tokens:
+                continue
+            seqs = [SeqInput([0] * n, start, self.pool.allocator.alloc(
+                self.pool.pages_for(start + n))) for n, start in lengths]
+            rows = [SampleRow(WARM_SAMPLING[i % len(WARM_SAMPLING)], 0)
+                    for i in range(len(seqs))]
+            try:
+                with self.on_device():
+                    sample(self.forward(seqs), rows)
+                    torch.cuda.synchronize(self.device)
+            finally:
+                for seq in seqs:
+                    self.pool.allocator.free(seq.page_ids)
 
     def step(self, seqs: list[SeqInput], rows: list[SampleRow],
              on_layer: Callable[[int], None] | None = None, eager: bool = False) -> StepResult:
