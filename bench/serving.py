@@ -36,8 +36,9 @@ earlier ones in a prefix cache; warm-up requests (--warmup-requests, all at once
 are drawn apart from both.
 
 What is measured, per request, with time.perf_counter from the moment it is sent:
-  TTFT    to the first chunk carrying output (text over HTTP, token ids over gRPC; an HTTP
-          reply whose tokens bring no text at all, such as special tokens: its first chunk);
+  TTFT    to the first chunk carrying output (a completions chunk, with or without text: a
+          token may bring none; chat: text; gRPC: token ids; a chat reply whose tokens bring no
+          text at all, such as special tokens: its first chunk);
   ITL     every gap between consecutive chunks carrying output, one gap per chunk however many
           tokens it carries (a server streaming every k tokens shows gaps of k tokens);
   TPOT    (e2e - TTFT) / (output tokens - 1);
@@ -443,9 +444,12 @@ class HttpClient:
                             text = delta.get("content") or delta.get("reasoning_content") or ""
                         else:
                             text = choice.get("text") or ""
-                        if text:
+                        # A completions chunk is the server's output so far even without text
+                        # (a token the tokenizer has no text for); a chat delta may be a role.
+                        finish = choice.get("finish_reason")
+                        if text or (not chat and not finish):
                             result.chunk(now, text, 1)
-                        result.finish_reason = choice.get("finish_reason") or result.finish_reason
+                        result.finish_reason = finish or result.finish_reason
         except Exception as e:   # noqa: BLE001 - every failure is a measured outcome
             result.fail(type(e).__name__, str(e) or repr(e))
         finally:
