@@ -123,7 +123,7 @@ class ReservationTable:
         except asyncio.TimeoutError:
             limit = (f"within --reserve-wait-s {self.wait_s:g} s" if capped
                      else f"before the request's deadline ({timeout_s:.3g} s)")
-            raise Overloaded(f"no {needed} KV pages free {limit}") from None
+            raise Overloaded(f"no KV pages free for {needed} pages {limit}") from None
         finally:
             if waiter in self._waiters:
                 self._waiters.remove(waiter)

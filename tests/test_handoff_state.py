@@ -236,8 +236,8 @@ def test_a_full_queue_is_refused_saying_so_and_holds_nothing():
 
 
 @pytest.mark.parametrize("wait_s, deadline_s, message", [
-    (0.0, 0.1, r"no 6 KV pages free before the request's deadline \(0.1 s\)"),
-    (0.1, 5.0, r"no 6 KV pages free within --reserve-wait-s 0.1 s"),
+    (0.0, 0.1, r"no KV pages free for 6 pages before the request's deadline \(0.1 s\)"),
+    (0.1, 5.0, r"no KV pages free for 6 pages within --reserve-wait-s 0.1 s"),
     (5.0, 0.1, r"before the request's deadline"),
 ], ids=["deadline", "cap", "deadline-before-cap"])
 def test_a_wait_past_its_limit_is_refused_naming_the_limit(wait_s, deadline_s, message):
