@@ -54,6 +54,11 @@ class EngineConfig(ModelSource):
     kv_cache_gb: str = setting("auto", "KV pool size in GiB when --num-pages is 0; auto: on "
                                "CUDA what --gpu-memory-utilization leaves after weights, "
                                "activations and graphs, on the CPU 1 GiB")
+    kv_cache_dtype: str = setting("auto", "KV pool dtype: auto (the model's, --dtype), bfloat16, "
+                                  "or fp8_e4m3 (float8 e4m3, one scale per layer for K and V, "
+                                  "1.0: twice bfloat16's tokens per GiB; for now with "
+                                  "--attention-backend torch only on CUDA); prefill and decode "
+                                  "must agree", choices=("auto", "bfloat16", "fp8_e4m3"))
     gpu_memory_utilization: float = setting(0.9, "with --kv-cache-gb auto on CUDA, the share of "
                                             "the GPU's memory this worker may use in all; `up` "
                                             "splits it between workers sharing a GPU (decode "
@@ -122,10 +127,11 @@ class PrefillConfig:
                                    "burst's longest generations start decoding earliest and the "
                                    f"burst ends sooner; a prompt waiting over {LOF_AGING_S:g} s "
                                    "goes first, in arrival order)", choices=SCHEDULE_POLICIES)
-    max_queued_requests: int = setting(1024, "prompts waiting for pages before "
-                                       "RESOURCE_EXHAUSTED")
-    max_queue_wait_s: float = setting(60.0, "a prompt that waits this long without starting "
-                                      "gets RESOURCE_EXHAUSTED (the router tries elsewhere)")
+    max_queued_requests: int = setting(1024, "prompts that may wait in the queue for a step; "
+                                       "one more is RESOURCE_EXHAUSTED")
+    max_queue_wait_s: float = setting(0.0, "a prompt that waits this long without starting "
+                                      "gets RESOURCE_EXHAUSTED and the router tries elsewhere "
+                                      "(0: as long as the request's deadline allows)")
     transfer_timeout_s: float = setting(30.0, "longest a KV hand-off (or a handshake) may take")
     layerwise_transfer: bool = setting(True, "with cuda_ipc/nixl, send each layer's KV as it is "
                                        "computed (else after the prompt's last step)")
@@ -140,9 +146,9 @@ class DecodeConfig:
     max_running_requests: int = setting(256, "largest decode batch")
     yield_to_prefill_ms: float = setting(
         -1.0, "on a GPU shared with a prefill worker, hold the next decode step back up to this "
-        "long while prompts reserved here are being prefilled, so prefill runs first (as one "
-        "process schedules a waiting prompt before a decode step); 0: never; -1 (auto): 1000 "
-        "where `pdserve up` puts a prefill worker on this GPU, else 0")
+        "long while a prefill step for prompts reserved here runs on the GPU, so prefill runs "
+        "first (as one process schedules a waiting prompt before a decode step); 0: never; -1 "
+        "(auto): 1000 where `pdserve up` puts a prefill worker on this GPU, else 0")
     max_queued_reservations: int = setting(1024, "requests that may wait in the queue for KV "
                                            "pages; one more is RESOURCE_EXHAUSTED")
     reserve_wait_s: float = setting(0.0, "longest wait in that queue before RESOURCE_EXHAUSTED "

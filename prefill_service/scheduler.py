@@ -86,7 +86,7 @@ class PrefillStep:
 class PrefillScheduler:
     def __init__(self, runner: ModelRunner, links: DecodeLinks, chunk_size: int, max_queued: int,
                  metrics: PrefillMetrics, layerwise: bool = True,
-                 max_queue_wait_s: float = 60.0, prefix_cache: bool = True,
+                 max_queue_wait_s: float = 0.0, prefix_cache: bool = True,
                  policy: str = "fcfs", overlap: bool = True,
                  activity: PrefillActivity | None = None) -> None:
         if policy not in SCHEDULE_POLICIES:
@@ -145,7 +145,8 @@ class PrefillScheduler:
             raise InvalidRequest(f"prompt of {len(task.prompt_ids)} tokens needs {needed} KV pages; "
                                  f"the prefill pool has {self.pool.allocator.total}")
         if len(self._waiting) >= self.max_queued:
-            raise Overloaded(f"prefill worker overloaded: {len(self._waiting)} prompts waiting")
+            raise Overloaded(f"prefill queue full: {len(self._waiting)} prompts already wait "
+                             "(--max-queued-requests)")
         self._waiting.append(task)
         task.handoff.link_ahead()
         target = task.handoff.target
@@ -200,10 +201,12 @@ class PrefillScheduler:
 
     def _admit(self) -> None:
         now = time.monotonic()
-        for task in [t for t in self._waiting if now - t.enqueued_at > self.max_queue_wait_s]:
+        # Without a cap a prompt waits while its caller's deadline allows (gRPC ends it then).
+        limit_s = self.max_queue_wait_s
+        for task in [t for t in self._waiting if limit_s > 0 and now - t.enqueued_at > limit_s]:
             self.abort(task, Overloaded(
-                f"prefill worker overloaded: a prompt waited {self.max_queue_wait_s:g} s "
-                "without starting"))
+                f"prefill queue: a prompt waited --max-queue-wait-s {limit_s:g} s without "
+                "starting"))
         if self.policy == "lof" and len(self._waiting) > 1:
             self._waiting = deque(sorted(self._waiting, key=lambda t: _lof_key(t, now)))
         # Only what the next step can take: a prompt admitted later may find its prefix
