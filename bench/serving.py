@@ -627,6 +627,8 @@ def summarize(args: argparse.Namespace, rate: float, stream: Stream, results: li
         "tpot_ms": percentiles([r.tpot_s for r in ok if r.tpot_s is not None]),
         "itl_ms": percentiles([gap for r in ok for gap in r.itl_s]),
         "e2e_ms": percentiles([r.e2e_s for r in ok if r.e2e_s is not None]),
+        # for compare(): each request's (TTFT, TPOT); not written
+        "_latencies": [(r.ttft_s, r.tpot_s) for r in ok if r.ttft_s is not None],
     }
 
 
@@ -656,14 +658,32 @@ COMPARED = (("request_throughput_rps", "req/s", "request_throughput_rps", None),
               for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms") for q in ("p50", "p99")))
 
 
+def goodput_at(run: dict[str, Any], ttft_ms: float | None, tpot_ms: float | None) -> float | None:
+    """Requests/s of ``run`` that met both limits (a request without a TPOT: its TTFT alone)."""
+    if ttft_ms is None or tpot_ms is None or not run["wall_s"]:
+        return None
+    met = sum(1 for ttft_s, tpot_s in run["_latencies"]
+              if ttft_s * 1e3 <= ttft_ms and (tpot_s is None or tpot_s * 1e3 <= tpot_ms))
+    return round(met / run["wall_s"], 3)
+
+
 def compare(targets: list[dict[str, Any]]) -> dict[str, Any]:
     """Each rate's figures side by side, and first / other for each metric; printed as a
-    table."""
+    table. Besides COMPARED, every target's goodput with each target's own TTFT and TPOT p99 as
+    the limits (`goodput_at_<label>_p99_rps`: a peer's p99 as the SLO)."""
     labels = [t["label"] for t in targets]
     rates = []
     for k, first in enumerate(targets[0]["runs"]):
-        metrics = {name: {t["label"]: (t["runs"][k][key] if q is None else t["runs"][k][key][q])
-                          for t in targets} for name, _, key, q in COMPARED}
+        runs = {t["label"]: t["runs"][k] for t in targets}
+        printed = {name: shown for name, shown, _, _ in COMPARED}
+        metrics = {name: {label: (run[key] if q is None else run[key][q])
+                          for label, run in runs.items()} for name, _, key, q in COMPARED}
+        for limits in labels:
+            name = f"goodput_at_{limits}_p99_rps"
+            printed[name] = f"good@{limits} p99"
+            ttft_ms, tpot_ms = runs[limits]["ttft_ms"]["p99"], runs[limits]["tpot_ms"]["p99"]
+            metrics[name] = {label: goodput_at(run, ttft_ms, tpot_ms)
+                             for label, run in runs.items()}
         ratios = {label: {name: (round(values[labels[0]] / values[label], 3)
                                  if values[labels[0]] is not None and values[label] else None)
                           for name, values in metrics.items()} for label in labels[1:]}
@@ -671,12 +691,12 @@ def compare(targets: list[dict[str, Any]]) -> dict[str, Any]:
         heads = labels + [f"{labels[0]}/{label}" for label in labels[1:]]
         width = max(len(h) for h in heads) + 2
         title = f"rate {first['rate']}/s"
-        print(f"\n{title:<16}" + "".join(f"{h:>{width}}" for h in heads))
-        for (name, values), (_, printed, _, _) in zip(metrics.items(), COMPARED):
+        print(f"\n{title:<18}" + "".join(f"{h:>{width}}" for h in heads))
+        for name, values in metrics.items():
             cells = [_ms(values[label]) for label in labels]
             cells += ["-" if ratios[label][name] is None else f"{ratios[label][name]:.3f}"
                       for label in labels[1:]]
-            print(f"{printed:<16}" + "".join(f"{c:>{width}}" for c in cells))
+            print(f"{printed[name]:<18}" + "".join(f"{c:>{width}}" for c in cells))
     return {"baseline": labels[0], "rates": rates}
 
 
@@ -914,6 +934,9 @@ def main(argv: list[str] | None = None) -> None:
     result = {"config": config, "targets": rows}
     if len(rows) > 1:
         result["comparison"] = compare(rows)
+    for row in rows:
+        for run in row["runs"]:
+            del run["_latencies"]
     from common import write_results
 
     write_results(args.out, "serving", result)

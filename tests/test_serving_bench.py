@@ -102,6 +102,12 @@ def test_a_rate_sweep_over_completions_and_grpc_side_by_side(cluster, bench, tmp
         metrics["output_throughput_tok_s"]["http"] / metrics["output_throughput_tok_s"]["grpc"], 3)
     assert set(metrics) >= {"request_throughput_rps", "goodput_rps", "ttft_p50_ms", "tpot_p99_ms",
                             "itl_p50_ms", "e2e_p99_ms"}
+    # Each target's goodput with the baseline's own p99s as the limits: at most what it served.
+    for label in ("http", "grpc"):
+        at_baseline = metrics["goodput_at_http_p99_rps"][label]
+        assert (label == "grpc" or at_baseline > 0)
+        assert 0 <= at_baseline <= metrics["request_throughput_rps"][label]
+    assert all("_latencies" not in run for t in result["targets"] for run in t["runs"])
 
 
 def test_multi_turn_chats_over_the_chat_endpoint_and_grpc(cluster, tmp_path):
