@@ -47,6 +47,12 @@ class EngineConfig(ModelSource):
 
     dtype: str = setting("auto", "weights and KV dtype (auto: the checkpoint's)",
                          choices=("auto", "float32", "bfloat16", "float16"))
+    quantization: str = setting("", "fp8: quantize a 16-bit checkpoint's linear layers to FP8 "
+                                "e4m3 at load, a scale per output channel (lm_head stays "
+                                "16-bit); empty: the weights as the checkpoint has them (FP8 "
+                                "checkpoints, quant_method fp8 or compressed-tensors, load as "
+                                "FP8 either way). On CUDA FP8 weights are dequantized at load "
+                                "for now", choices=("", "fp8"))
     device: str = setting("auto", "auto (cuda if available, else cpu), cpu, cuda, cuda:N")
     seed: int = setting(0, "seed of a preset's random weights")
     page_size: int = setting(16, "tokens per KV page (prefill and decode must agree)")

@@ -107,7 +107,8 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.model = load_model(local_model(config), config.dtype, self.device, config.seed,
                                 fused_rope_kv=config.fused_rope_kv, triton_gemv=config.triton_gemv,
-                                max_model_len=config.max_model_len)
+                                max_model_len=config.max_model_len,
+                                quantization=config.quantization)
         self.model_config = self.model.config
         dtype = next(self.model.parameters()).dtype
         self.layout = KVLayout(

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdserve.models.quant_config import Fp8Scheme, parse_quantization
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
@@ -47,6 +49,7 @@ class ModelConfig:
     dtype: str = "float32"           # the checkpoint's dtype
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    weight_quant: Fp8Scheme | None = None   # the checkpoint's FP8 linear layers, if any
 
     @property
     def q_size(self) -> int:
@@ -117,6 +120,7 @@ def config_from_hf(cfg: dict[str, Any], name: str,
         dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos,
+        weight_quant=parse_quantization(cfg),
     )
 
 

@@ -37,8 +37,8 @@ class ForwardContext:
     fuse_rope_kv: bool = False     # RoPE and the K/V store as one kernel (ops.rope_store_kv)
     gemv: bool = False             # one-row linear layers through ops.gemv
 
-    def linear(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv:
+    def linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv and isinstance(layer, nn.Linear):   # not an FP8 layer (CPU only)
             return self.ops.gemv(x, layer.weight, layer.bias)
         return layer(x)
 

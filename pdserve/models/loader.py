@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 
 import torch
 
+from pdserve.models import fp8
 from pdserve.models.config import ModelConfig
 from pdserve.models.llama import CausalLM
 from pdserve.models.ops import TorchOps, select_ops
@@ -14,6 +16,8 @@ from pdserve.models.presets import model_config
 from pdserve.progress import progress
 
 __all__ = ["DTYPES", "load_model", "model_config", "resolve_dtype"]
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -27,25 +31,45 @@ def resolve_dtype(requested: str, config: ModelConfig) -> torch.dtype:
 
 def load_model(model: str, dtype: str, device: torch.device, seed: int = 0,
                kernels: bool = True, fused_rope_kv: bool = True,
-               triton_gemv: bool = True, max_model_len: int = 0) -> CausalLM:
+               triton_gemv: bool = True, max_model_len: int = 0,
+               quantization: str = "") -> CausalLM:
     """The model in ``dtype`` ("auto": the checkpoint's) on ``device``, ready for inference;
     with ``kernels``, its elementwise ops run as CUDA kernels where the device allows;
-    ``max_model_len`` (0: the model's own) caps its context."""
+    ``max_model_len`` (0: the model's own) caps its context; ``quantization`` "fp8" quantizes
+    a 16-bit model's linear layers to FP8 (an FP8 checkpoint is FP8 either way)."""
+    from pdserve.models.quant_config import AT_LOAD, check_quantization_flag
     from pdserve.models.source import with_max_len
 
     config = with_max_len(model_config(model), max_model_len)
+    scheme = config.weight_quant
+    check_quantization_flag(quantization, scheme.method if scheme else "")
     torch_dtype = resolve_dtype(dtype, config)
     with torch.device("meta"):
         net = CausalLM(config)
-    # The dtype first, on meta: the device never holds a float32 copy of the weights. Then
-    # storage on the device, uninitialised (what to_empty does, without the meta tensors'
-    # empty_like, whose first call imports sympy: half a second of every worker's start).
-    net = net.to(torch_dtype)._apply(
-        lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+        # The dtype first, on meta: the device never holds a float32 copy of the weights
+        # (FP8 layers after it, or .to() would convert them too).
+        net = net.to(torch_dtype)
+        if scheme is not None:
+            fp8.use_fp8_linears(net, scheme, torch_dtype)
+    # Then storage on the device, uninitialised (what to_empty does, without the meta
+    # tensors' empty_like, whose first call imports sympy: half a second of every worker's
+    # start).
+    net = net._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     if Path(model).is_dir():
         _load_safetensors(net, Path(model))
     else:
         _init_random(net, seed)
+    if quantization == "fp8" and scheme is None:
+        fp8.quantize_linears(net, AT_LOAD)
+    if any(isinstance(m, fp8.Fp8Linear) for m in net.modules()):
+        log.info("weights: %s (%s)", fp8.describe(net),
+                 scheme.method if scheme else "--quantization fp8, per-channel scales")
+        if device.type == "cuda":
+            # No FP8 GEMMs yet: on CUDA the FP8 values compute as 16-bit weights, dequantized
+            # here once (the GPU holds 16-bit bytes) until the FP8 kernels land.
+            fp8.dequantize_linears(net, torch_dtype)
+            log.warning("weights: FP8 dequantized to %s at load (no FP8 GEMMs on CUDA yet)",
+                        str(torch_dtype).removeprefix("torch."))
     net.prepare(device, select_ops(device, torch_dtype) if kernels else TorchOps(),
                 fused_rope_kv=fused_rope_kv, triton_gemv=triton_gemv)
     return net.eval().requires_grad_(False)
@@ -68,6 +92,16 @@ def _fused_slot(config: ModelConfig, name: str) -> tuple[str, int, int]:
     return name, 0, -1
 
 
+def _our_param_name(name: str) -> str:
+    """A checkpoint's FP8 scale names as our Fp8Linear's (``weight_scale``, ``input_scale``)."""
+    for suffixes, ours in ((fp8.WEIGHT_SCALE_SUFFIXES, ".weight_scale"),
+                           (fp8.INPUT_SCALE_SUFFIXES, ".input_scale")):
+        for suffix in suffixes:
+            if name.endswith(suffix):
+                return name.removesuffix(suffix) + ours
+    return name
+
+
 def _checkpoint_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
@@ -84,7 +118,9 @@ def _load_safetensors(net: CausalLM, model_dir: Path) -> None:
     from safetensors import safe_open
 
     params = dict(net.named_parameters())
-    rows_left = {name: p.shape[0] for name, p in params.items()}
+    # A static input scale is the largest of its fused parts' (and optional until FP8 GEMMs).
+    input_scales = {name: p.zero_() for name, p in params.items() if name.endswith("input_scale")}
+    rows_left = {name: p.shape[0] for name, p in params.items() if name not in input_scales}
     files = _checkpoint_files(model_dir)
     for file in progress(files, len(files), f"loading {model_dir.name} weights"):
         with safe_open(str(file), framework="pt") as f:
@@ -92,10 +128,22 @@ def _load_safetensors(net: CausalLM, model_dir: Path) -> None:
                 if "rotary_emb" in key or (key == "lm_head.weight" and net.config.tie_word_embeddings):
                     continue
                 name, offset, rows = _fused_slot(net.config, key)
+                name = _our_param_name(name)
                 if name not in params:
                     raise ValueError(f"{file.name}: unexpected tensor {key!r}")
-                target = params[name] if rows < 0 else params[name][offset:offset + rows]
                 tensor = f.get_tensor(key)
+                if name in input_scales:
+                    input_scales[name].copy_(torch.maximum(input_scales[name],
+                                                           tensor.float().reshape(1)))
+                    continue
+                target = params[name] if rows < 0 else params[name][offset:offset + rows]
+                if name.endswith(".weight_scale"):
+                    module = net.get_submodule(name.removesuffix(".weight_scale"))
+                    tensor = fp8.scale_rows(module, key, tensor, target.shape[0])
+                elif (tensor.dtype == fp8.FP8_DTYPE) != (target.dtype == fp8.FP8_DTYPE):
+                    raise ValueError(f"{key}: {str(tensor.dtype).removeprefix('torch.')} in "
+                                     "the checkpoint, but its quantization_config makes it "
+                                     f"{str(target.dtype).removeprefix('torch.')}")
                 if tensor.shape != target.shape:
                     raise ValueError(f"{key}: shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
                 target.copy_(tensor)

@@ -6,10 +6,11 @@ import dataclasses
 import re
 from pathlib import Path
 
-from pdserve.config import ModelSource
+from pdserve.config import EngineConfig, ModelSource
 from pdserve.errors import ConfigError
 from pdserve.models.config import ModelConfig
 from pdserve.models.presets import PRESETS, model_config
+from pdserve.models.quant_config import check_quantization_flag, checkpoint_quant_method
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 # What serving needs from a repo: weights, configs, tokenizer and chat template.
@@ -60,7 +61,9 @@ def served_name(source: ModelSource) -> str:
 
 def source_config(source: ModelSource, local: str) -> ModelConfig:
     """The model's config from ``local`` (see local_model), its context capped at
-    ``--max-model-len``."""
+    ``--max-model-len``; a --quantization the checkpoint's own contradicts is refused."""
+    if isinstance(source, EngineConfig):
+        check_quantization_flag(source.quantization, checkpoint_quant_method(local))
     try:
         config = model_config(local)
     except (OSError, ValueError, KeyError) as err:

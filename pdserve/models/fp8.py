@@ -1,0 +1,174 @@
+"""FP8 (e4m3) weights: a linear layer that holds them with their scales, quantization of a
+16-bit layer at load, and the dequantized weights that compute with them for now.
+
+Scales are kept per output row, ``weight_scale`` [out_features, column blocks] float32, each
+scale covering ``block_cols`` input columns: per-channel and per-tensor scales are one column
+block ([out, 1]); a 128x128 block checkpoint keeps its column blocks and repeats each block's
+scale over its 128 rows. That one layout survives the fusion of q/k/v and gate/up, whose row
+offsets need not fall on a block boundary (tiny models), at the cost of 4 bytes per row and
+column block (3% of the FP8 weight's bytes for 128-column blocks). A block-scaled GEMM takes
+every 128th row of it where the offsets are aligned (real models).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.models.quant_config import Fp8Scheme
+
+log = logging.getLogger(__name__)
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max
+# Checkpoint names of a weight's scale (dequantization multipliers, whatever the name says) and
+# of a static input scale.
+WEIGHT_SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
+INPUT_SCALE_SUFFIXES = (".input_scale", ".activation_scale")
+
+
+class Fp8Linear(nn.Module):
+    """``y = x W^T + b`` with W held as FP8 e4m3 and float32 scales (see the module's
+    docstring); the bias stays in the model's dtype."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, block_size:
+                 tuple[int, int] | None, static_input: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.blocked = block_size is not None
+        self.block_rows = block_size[0] if block_size else out_features
+        self.block_cols = block_size[1] if block_size else in_features
+        col_blocks = -(-in_features // self.block_cols)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE),
+                                   requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(out_features, col_blocks,
+                                                     dtype=torch.float32), requires_grad=False)
+        # Static checkpoints' per-tensor input scale (the largest of fused parts'), for the FP8
+        # GEMMs to come; the dequantized-weight path below computes in the model's dtype.
+        self.input_scale = (nn.Parameter(torch.zeros(1, dtype=torch.float32), requires_grad=False)
+                            if static_input else None)
+        self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
+                     if bias else None)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight in ``dtype``: each FP8 value times its scale, in float32."""
+        scale = self.weight_scale.repeat_interleave(self.block_cols, dim=1)[:, :self.in_features]
+        return (self.weight.float() * scale).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Dequantized on every forward, not cached: the layer holds only FP8 bytes (what the
+        # FP8 path is for), and the CPU path this serves is for tests and small models.
+        return F.linear(x, self.dequantized(x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"block_cols={self.block_cols}")
+
+
+def hf_names(name: str) -> list[str]:
+    """The checkpoint's module names behind our linear layer ``name`` (q/k/v and gate/up are
+    fused here)."""
+    if name == "lm_head":
+        return [name]
+    parts = {".qkv_proj": (".q_proj", ".k_proj", ".v_proj"),
+             ".gate_up_proj": (".gate_proj", ".up_proj")}
+    for fused, split in parts.items():
+        if name.endswith(fused):
+            return ["model." + name.removesuffix(fused) + part for part in split]
+    return ["model." + name]
+
+
+def _quantized_linears(net: nn.Module, scheme: Fp8Scheme) -> list[str]:
+    """Our linear layers that ``scheme`` holds as FP8; ValueError if a fused layer's parts
+    disagree."""
+    names = []
+    for name, module in net.named_modules():
+        if not isinstance(module, (nn.Linear, Fp8Linear)):
+            continue
+        wanted = {scheme.quantizes(hf) for hf in hf_names(name)}
+        if len(wanted) > 1:
+            raise ValueError(f"{name}: the quantization config quantizes only some of "
+                             f"{', '.join(hf_names(name))}, which are one layer here")
+        if wanted.pop():
+            names.append(name)
+    return names
+
+
+def use_fp8_linears(net: nn.Module, scheme: Fp8Scheme, dtype: torch.dtype) -> None:
+    """Replaces the linear layers ``scheme`` quantizes with empty Fp8Linear ones (before the
+    checkpoint's FP8 weights and scales are loaded into them)."""
+    for name in _quantized_linears(net, scheme):
+        linear = net.get_submodule(name)
+        net.set_submodule(name, Fp8Linear(
+            linear.in_features, linear.out_features, linear.bias is not None, scheme.block_size,
+            scheme.static_input, dtype).to(linear.weight.device))
+
+
+@torch.no_grad()
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` [out, in] as FP8 e4m3 and float32 scales [out, 1]: each row's largest
+    magnitude maps to the format's largest value."""
+    amax = weight.float().abs().amax(dim=1, keepdim=True)
+    scale = (amax / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    return (weight.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+@torch.no_grad()
+def quantize_linears(net: nn.Module, scheme: Fp8Scheme) -> int:
+    """--quantization fp8: every linear layer ``scheme`` quantizes, loaded in 16 bits, becomes
+    an Fp8Linear with per-output-channel scales (one layer at a time, so the 16-bit copy of
+    only one layer is held beside the FP8 model). Returns how many were."""
+    names = _quantized_linears(net, scheme)
+    for name in names:
+        linear = net.get_submodule(name)
+        fp8 = Fp8Linear(linear.in_features, linear.out_features, linear.bias is not None, None,
+                        False, linear.weight.dtype).to(linear.weight.device)
+        fp8.weight.data, fp8.weight_scale.data = quantize_per_channel(linear.weight)
+        if linear.bias is not None:
+            fp8.bias.data = linear.bias.data
+        net.set_submodule(name, fp8)
+    return len(names)
+
+
+@torch.no_grad()
+def dequantize_linears(net: nn.Module, dtype: torch.dtype) -> int:
+    """Every Fp8Linear back to an nn.Linear in ``dtype`` holding its dequantized weight (the
+    CUDA path until the FP8 GEMMs land: the values are the FP8 model's, the bytes 16-bit).
+    Returns how many were."""
+    names = [name for name, m in net.named_modules() if isinstance(m, Fp8Linear)]
+    for name in names:
+        fp8 = net.get_submodule(name)
+        with torch.device("meta"):
+            linear = nn.Linear(fp8.in_features, fp8.out_features, bias=fp8.bias is not None)
+        linear.weight = nn.Parameter(fp8.dequantized(dtype), requires_grad=False)
+        if fp8.bias is not None:
+            linear.bias = nn.Parameter(fp8.bias.data.to(dtype), requires_grad=False)
+        net.set_submodule(name, linear)
+    return len(names)
+
+
+def scale_rows(module: Fp8Linear, key: str, scale: torch.Tensor, rows: int) -> torch.Tensor:
+    """A checkpoint's weight scale for ``rows`` output rows of ``module`` in our layout
+    [rows, column blocks] float32 (see the module's docstring); ValueError if its shape fits
+    neither a per-tensor, a per-channel nor a block scale."""
+    cols = module.weight_scale.shape[1]
+    scale = scale.float()
+    if scale.numel() == 1:                                   # per tensor
+        return scale.reshape(1, 1).expand(rows, cols)
+    if cols == 1 and scale.shape in ((rows, 1), (rows,)):    # per output channel
+        return scale.reshape(rows, 1)
+    row_blocks = -(-rows // module.block_rows)
+    if module.blocked and scale.shape == (row_blocks, cols):
+        return scale.repeat_interleave(module.block_rows, dim=0)[:rows]
+    raise ValueError(f"{key}: scale of shape {tuple(scale.shape)} fits no per-tensor, "
+                     f"per-channel or {module.block_rows}x{module.block_cols} block scale of "
+                     f"{rows}x{module.in_features}")
+
+
+def describe(net: nn.Module) -> str:
+    """'N of M linear layers in FP8' for the load log."""
+    linears = [m for m in net.modules() if isinstance(m, (nn.Linear, Fp8Linear))]
+    fp8 = sum(isinstance(m, Fp8Linear) for m in linears)
+    return f"{fp8} of {len(linears)} linear layers in FP8"
