@@ -31,6 +31,9 @@ def copy_pages(src_pool: torch.Tensor, dst_pool: torch.Tensor, src_pages: torch.
     """``dst_pool[:, :, dst_pages] = src_pool[:, :, src_pages]`` for two
     ``[layers, 2, pages, page_size, kv_heads, head_dim]`` pools (page counts may differ),
     enqueued on the current stream. Page ids: int32 or int64 tensors on the GPU."""
+    if src_pool.element_size() == 1:
+        # FP8 pools: page bytes are all a copy needs (and Triton has no e4m3 type before SM89).
+        src_pool, dst_pool = src_pool.view(torch.uint8), dst_pool.view(torch.uint8)
     layers, two = src_pool.shape[:2]
     plane_elems = src_pool[0, 0, 0].numel()
     count = src_pages.numel()

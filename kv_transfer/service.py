@@ -81,9 +81,11 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServiceServicer):
     @map_errors
     async def Handshake(self, request: kv_transfer_pb2.HandshakeRequest,
                         context: grpc.aio.ServicerContext) -> kv_transfer_pb2.HandshakeResponse:
-        diff = self.pool.layout.mismatch(layout_from_proto(request.layout))
+        diff = self.pool.layout.mismatch(layout_from_proto(request.layout), "decode", "prefill")
         if diff:
-            raise LayoutMismatch(f"KV layout mismatch ({diff})")
+            # Pages of another dtype, size or shape would be read as garbage: refuse them.
+            raise LayoutMismatch(f"KV layout mismatch ({diff}): prefill and decode workers need "
+                                 "the same --model, --kv-cache-dtype, --dtype and --page-size")
         engine, reason = self.choose(request)
         log.info("prefill %s writes KV with the %r engine (%s)", context.peer(), engine, reason)
         return kv_transfer_pb2.HandshakeResponse(

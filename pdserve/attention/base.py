@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pdserve.errors import ConfigError
+
 if TYPE_CHECKING:
     from pdserve.engine.batch import ForwardBatch
     from pdserve.kvcache.pool import KVPool
@@ -46,8 +48,12 @@ class AttentionBackend(ABC):
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch) -> None:
-        """Writes the new tokens' K/V into their slots (one scatter per cache)."""
-        k_flat = self.pool.k_cache(layer_id).view(-1, k.shape[1], k.shape[2])
-        v_flat = self.pool.v_cache(layer_id).view(-1, v.shape[1], v.shape[2])
-        k_flat.index_copy_(0, batch.out_slots, k.to(k_flat.dtype))
-        v_flat.index_copy_(0, batch.out_slots, v.to(v_flat.dtype))
+        """Writes the new tokens' K/V into their slots (one scatter per cache; quantized in an
+        FP8 pool)."""
+        self.pool.store_kv(layer_id, batch.out_slots, k, v)
+
+    def refuse_fp8_pool(self) -> None:
+        """For kernels not yet wired to read FP8 pages: one clear error instead of garbage."""
+        if self.pool.quantized:
+            raise ConfigError(f"the {self.name!r} attention backend does not read an FP8 "
+                                      "KV cache yet: use --attention-backend torch")

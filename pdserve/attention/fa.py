@@ -22,6 +22,7 @@ class FlashAttentionBackend(AttentionBackend):
 
     def __init__(self, pool: KVPool, num_heads: int, head_dim: int) -> None:
         super().__init__(pool, num_heads, head_dim)
+        self.refuse_fp8_pool()
         from sgl_kernel.flash_attn import flash_attn_with_kvcache
 
         self._flash_attn = flash_attn_with_kvcache

@@ -97,6 +97,7 @@ class FlashInferBackend(AttentionBackend):
 
     def __init__(self, pool: KVPool, num_heads: int, head_dim: int) -> None:
         super().__init__(pool, num_heads, head_dim)
+        self.refuse_fp8_pool()
         flashinfer = import_flashinfer()
         self._fi = flashinfer
         device = pool.tensor.device

@@ -1,7 +1,9 @@
 """The portable reference backend: gathers each sequence's pages and runs masked softmax attention.
 
-Works on any device; the CPU default. Sequences are padded to the longest in the step, so the
-whole batch is a handful of tensor ops whatever its mix of prompt and decode lengths.
+Works on any device; the CPU default, and for now the one backend that reads an FP8 KV cache
+(``--kv-cache-dtype fp8_e4m3``: pages are gathered as float8 and widened to float32). Sequences
+are padded to the longest in the step, so the whole batch is a handful of tensor ops whatever
+its mix of prompt and decode lengths.
 """
 from __future__ import annotations
 
@@ -50,9 +52,14 @@ class TorchNativeBackend(AttentionBackend):
         v_all = self.pool.v_cache(layer_id).view(-1, num_kv_heads, self.head_dim)[meta.kv_slots]
         # [batch, max_q, kv_heads, group, dim] against [batch, max_kv, kv_heads, dim]
         qb = q[meta.q_index].view(*meta.q_index.shape, num_kv_heads, group, self.head_dim)
-        scores = torch.einsum("bqhgd,bkhd->bhgqk", qb.float(), k_all.float()) * self.scale
+        # An FP8 pool's scales are folded in: K's into the softmax scale, V's into the output.
+        k_scale, v_scale = self.pool.k_scales[layer_id], self.pool.v_scales[layer_id]
+        softmax_scale = self.scale * k_scale
+        scores = torch.einsum("bqhgd,bkhd->bhgqk", qb.float(), k_all.float()) * softmax_scale
         scores = scores.masked_fill(~meta.mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out = torch.einsum("bhgqk,bkhd->bqhgd", probs, v_all.float())
+        if v_scale != 1.0:
+            out = out * v_scale
         out = out.reshape(*meta.q_index.shape, self.num_heads, self.head_dim)[meta.q_valid]
         return out.to(q.dtype)

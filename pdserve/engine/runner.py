@@ -16,6 +16,7 @@ from pdserve.engine.cuda_graph import CudaGraphRunner
 from pdserve.engine.launched_step import LaunchedStep
 from pdserve.engine.sampling import SampleRow, SamplingParams, sample
 from pdserve.errors import ConfigError
+from pdserve.kvcache.kv_dtype import kv_storage_dtype
 from pdserve.kvcache.pool import KVLayout, KVPool
 from pdserve.models.config import ModelConfig
 from pdserve.models.loader import load_model
@@ -105,20 +106,25 @@ class ModelRunner:
             # Kernels, graph captures and allocations that name no device go to the current
             # one: it must be ours (decode on cuda:1 failed to capture without this).
             torch.cuda.set_device(self.device)
+        # The fused RoPE + K/V store kernel writes the pool unscaled: FP8 pages are stored
+        # (quantized) by the attention backend instead.
+        fp8_kv = config.kv_cache_dtype == "fp8_e4m3"
         self.model = load_model(local_model(config), config.dtype, self.device, config.seed,
-                                fused_rope_kv=config.fused_rope_kv, triton_gemv=config.triton_gemv,
+                                fused_rope_kv=config.fused_rope_kv and not fp8_kv,
+                                triton_gemv=config.triton_gemv,
                                 max_model_len=config.max_model_len,
                                 quantization=config.quantization)
         self.model_config = self.model.config
         dtype = next(self.model.parameters()).dtype
+        kv_dtype = kv_storage_dtype(config.kv_cache_dtype, dtype)
         self.layout = KVLayout(
-            model=self.model_config.name, dtype=str(dtype).removeprefix("torch."),
+            model=self.model_config.name, dtype=str(kv_dtype).removeprefix("torch."),
             page_size=config.page_size, num_layers=self.model_config.num_layers,
             num_kv_heads=self.model_config.num_kv_heads, head_dim=self.model_config.head_dim)
-        num_pages = config.num_pages or self._pages_for_budget(config, dtype, step_tokens,
+        num_pages = config.num_pages or self._pages_for_budget(config, kv_dtype, step_tokens,
                                                                min_pool_tokens)
         try:
-            self.pool = KVPool(self.layout, num_pages, dtype, self.device)
+            self.pool = KVPool(self.layout, num_pages, kv_dtype, self.device)
         except torch.OutOfMemoryError as err:   # another process holds part of the GPU
             raise ConfigError(
                 f"the KV pool ({num_pages} pages) does not fit in {self.device}'s free memory "
@@ -129,9 +135,10 @@ class ModelRunner:
         self.attn = create_backend(self.backend_name, self.pool, self.model_config.num_heads,
                                    self.model_config.head_dim)
         log.info("%s: model %s (%s) on %s; attention backend %r (%s); layer kernels %s; "
-                 "%d KV pages of %d tokens", role, self.model_config.name, self.layout.dtype,
-                 self.device, self.backend_name, reason, self.model.ops.name, num_pages,
-                 config.page_size)
+                 "%d KV pages of %d tokens (%d tokens, KV dtype %s)", role,
+                 self.model_config.name, str(dtype).removeprefix("torch."), self.device,
+                 self.backend_name, reason, self.model.ops.name, num_pages, config.page_size,
+                 num_pages * config.page_size, self.layout.dtype)
         self.graphs: CudaGraphRunner | None = None
         if (role == "decode" and self.device.type == "cuda" and not config.disable_cuda_graph
                 and self._backend_supports_graphs()):
@@ -173,9 +180,9 @@ class ModelRunner:
                                 raised // bytes_per_page * page_size, min_pool_tokens)
                 gib = raised / (1 << 30)
         pages = max(2, int(gib * (1 << 30)) // bytes_per_page)
-        log.info("KV pool: %d pages of %d tokens = %d tokens (%.2f GiB%s)", pages,
+        log.info("KV pool: %d pages of %d tokens = %d tokens (%.2f GiB of %s%s)", pages,
                  self.layout.page_size, pages * self.layout.page_size,
-                 pages * bytes_per_page / (1 << 30),
+                 pages * bytes_per_page / (1 << 30), self.layout.dtype,
                  f", auto at --gpu-memory-utilization {config.gpu_memory_utilization:g}"
                  if config.kv_cache_gb == "auto" and self.device.type == "cuda" else "")
         return pages

@@ -15,8 +15,10 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
 
-    def mismatch(self, other: KVLayout) -> str | None:
-        """A readable description of how ``other`` differs from us, or None if it matches."""
-        diffs = [f"{field}: ours {getattr(self, field)!r}, theirs {getattr(other, field)!r}"
+    def mismatch(self, other: KVLayout, ours: str = "ours", theirs: str = "theirs") -> str | None:
+        """A readable description of how ``other`` differs from us, naming both values of each
+        field that differs (``dtype``: the KV pool's, as --kv-cache-dtype makes it), or None if
+        it matches."""
+        diffs = [f"{field}: {ours} {getattr(self, field)!r}, {theirs} {getattr(other, field)!r}"
                  for field in self.__dataclass_fields__ if getattr(self, field) != getattr(other, field)]
         return "; ".join(diffs) or None

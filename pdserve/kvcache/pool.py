@@ -6,6 +6,7 @@ from collections.abc import Callable
 import torch
 
 from pdserve.errors import Overloaded
+from pdserve.kvcache.kv_dtype import is_fp8, quantize_fp8
 from pdserve.kvcache.layout import KVLayout
 
 __all__ = ["NULL_PAGE", "KVLayout", "KVPool", "PageAllocator"]
@@ -19,10 +20,15 @@ class KVPool:
 
     ``tensor[l, 0]`` / ``tensor[l, 1]`` are the paged k/v caches that FA3 and FlashInfer (NHD)
     take, so a page id means the same thing to every attention backend and transfer engine.
+
+    An FP8 pool (``dtype`` float8_e4m3fn) stores K and V divided by a per-layer scale
+    (``k_scales``/``v_scales``, 1.0 by default); readers multiply it back. Pages move as raw
+    bytes whatever the dtype.
     """
 
     def __init__(self, layout: KVLayout, num_pages: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, k_scales: list[float] | None = None,
+                 v_scales: list[float] | None = None) -> None:
         if num_pages < 2:
             raise ValueError("a KV pool needs at least 2 pages (page 0 is reserved)")
         self.layout = layout
@@ -30,6 +36,9 @@ class KVPool:
         self.num_pages = num_pages
         self.tensor = torch.zeros(layout.num_layers, 2, num_pages, layout.page_size,
                                   layout.num_kv_heads, layout.head_dim, dtype=dtype, device=device)
+        self.quantized = is_fp8(dtype)
+        self.k_scales = list(k_scales or [1.0] * layout.num_layers)
+        self.v_scales = list(v_scales or [1.0] * layout.num_layers)
         self.allocator = PageAllocator(num_pages)
 
     @property
@@ -42,14 +51,29 @@ class KVPool:
     def v_cache(self, layer: int) -> torch.Tensor:
         return self.tensor[layer, 1]
 
+    def store_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Writes tokens' K/V ``[tokens, kv_heads, head_dim]`` into their flat ``slots`` (one
+        scatter per cache), quantized in an FP8 pool."""
+        for cache, values, scale in ((self.k_cache(layer), k, self.k_scales[layer]),
+                                     (self.v_cache(layer), v, self.v_scales[layer])):
+            flat = self._bytes(cache).view(-1, *values.shape[1:])
+            stored = quantize_fp8(values, scale) if self.quantized else values.to(cache.dtype)
+            flat.index_copy_(0, slots, self._bytes(stored))
+
     def read_pages(self, page_ids: list[int]) -> torch.Tensor:
         """A contiguous copy of pages, shaped ``[num_layers, 2, len(page_ids), ...]``."""
         index = torch.tensor(page_ids, dtype=torch.long, device=self.tensor.device)
-        return self.tensor.index_select(2, index)
+        return self._bytes(self.tensor).index_select(2, index).view(self.tensor.dtype)
 
     def write_pages(self, page_ids: list[int], pages: torch.Tensor) -> None:
         index = torch.tensor(page_ids, dtype=torch.long, device=self.tensor.device)
-        self.tensor.index_copy_(2, index, pages.to(self.tensor.device))
+        pages = pages.to(self.tensor.device)
+        self._bytes(self.tensor).index_copy_(2, index, self._bytes(pages))
+
+    def _bytes(self, tensor: torch.Tensor) -> torch.Tensor:
+        """An FP8 tensor as uint8 (same shape): index_copy_ has no float8 kernel on the CPU,
+        and page bytes are all a copy needs. Other dtypes are left as they are."""
+        return tensor.view(torch.uint8) if self.quantized else tensor
 
     def release(self) -> None:
         """Frees the pool's memory now, at shutdown (nothing may use the pool after). A pool
