@@ -18,9 +18,11 @@ from pdserve.config import EngineConfig
 from pdserve.engine import local
 from pdserve.engine.batch import SeqInput
 from pdserve.engine.runner import ModelRunner
-from pdserve.models.fp8 import Fp8Linear
+from pdserve.errors import ConfigError
+from pdserve.models.fp8 import Fp8Linear, dequantize_linears
 from pdserve.models.presets import PRESETS
 from pdserve.models.quant_config import parse_quantization
+from pdserve.models.source import source_config
 from pdserve.sampling_params import SamplingParams
 from protos.pdserve.v1 import generate_pb2
 
@@ -154,7 +156,7 @@ def fp8_checkpoint(request, tmp_path_factory):
 
 
 def assert_matches(hf: transformers.PreTrainedModel, runner: ModelRunner) -> None:
-    """Prefill logits (two prompts in one batch, one chunked) and 16 greedy tokens."""
+    """Prefill logits (two prompts in one batch, one chunked) and 8 greedy tokens."""
     ids = torch.randint(0, VOCAB, (2, 37), generator=torch.Generator().manual_seed(1)).tolist()
     pages = [runner.pool.allocator.alloc(10) for _ in ids]
     try:
@@ -169,9 +171,9 @@ def assert_matches(hf: transformers.PreTrainedModel, runner: ModelRunner) -> Non
     torch.testing.assert_close(ours[1], ref[1, 19], atol=2e-4, rtol=1e-4)
     torch.testing.assert_close(rest[0], ref[1, -1], atol=2e-4, rtol=1e-4)
     with torch.no_grad():
-        expected = hf.generate(torch.tensor(ids[:1]), max_new_tokens=16, do_sample=False,
+        expected = hf.generate(torch.tensor(ids[:1]), max_new_tokens=8, do_sample=False,
                                eos_token_id=None, pad_token_id=1)[0, 37:].tolist()
-    assert local.generate(runner, ids[0], SamplingParams(max_new_tokens=16)) == expected
+    assert local.generate(runner, ids[0], SamplingParams(max_new_tokens=8)) == expected
 
 
 def test_fp8_checkpoint_matches_transformers_on_its_dequantized_weights(fp8_checkpoint):
@@ -191,6 +193,18 @@ def test_fp8_checkpoint_layers_hold_fp8_weights_and_lm_head_stays_dense(fp8_chec
     dense = sum(p.numel() * p.element_size() for p in hf.parameters())
     quantized = sum(p.numel() for n, p in hf.named_parameters() if n.endswith("_proj.weight"))
     assert held < dense - 2.9 * quantized
+
+
+def test_weights_dequantized_at_load_as_on_cuda_compute_the_same_logits(tmp_path):
+    write_fp8_folder(tmp_path, hf_model("llama", "tiny"), BLOCK_FP8)
+    runner = runner_for(tmp_path)
+    ids = list(range(2, 30))
+    pages = runner.pool.allocator.alloc(8)
+    fp8_logits = runner.forward([SeqInput(ids, 0, pages)])
+    assert dequantize_linears(runner.model, torch.float32) == 4 * 2
+    assert not any(isinstance(m, Fp8Linear) for m in runner.model.modules())
+    torch.testing.assert_close(runner.forward([SeqInput(ids, 0, pages)]), fp8_logits,
+                               atol=0, rtol=0)
 
 
 def test_quantization_fp8_of_a_16_bit_folder_matches_transformers_on_its_fp8_weights(tmp_path):
@@ -242,12 +256,28 @@ def test_an_unsupported_quantization_is_refused(quant, words):
         parse_quantization({"quantization_config": quant})
 
 
-def test_up_refuses_an_unsupported_quant_method_in_one_line(tmp_path):
-    folder = tmp_path / "awq"
+def awq_folder(folder):
+    """A folder whose config.json says AWQ (its weights are dense: it is refused before them)."""
     hf_model("llama", "tiny").save_pretrained(folder)
     config = json.loads((folder / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
     (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("method", ["compressed-tensors", "awq"])
+def test_quantization_fp8_of_a_checkpoint_of_another_method_is_refused(tmp_path, method):
+    if method == "awq":
+        awq_folder(tmp_path)
+    else:
+        write_fp8_folder(tmp_path, hf_model("llama", "tiny"), compressed_tensors("channel", False))
+    with pytest.raises(ConfigError, match=f"--quantization fp8: .*quantized \\({method}\\)"):
+        source_config(EngineConfig(model=str(tmp_path), quantization="fp8"), str(tmp_path))
+    with pytest.raises(ConfigError, match=f"--quantization fp8: .*quantized \\({method}\\)"):
+        runner_for(tmp_path, quantization="fp8")
+
+
+def test_an_unsupported_quant_method_exits_2_in_one_line(tmp_path):
+    folder = awq_folder(tmp_path)
     _one_line_error(_pdserve("up", "--model", str(folder)), "quant_method 'awq'")
-    _one_line_error(_pdserve("up", "--model", str(folder), "--quantization", "fp8"),
-                    "--quantization fp8", "awq")
+    _one_line_error(_pdserve("decode", "--model", str(folder)), "quant_method 'awq'")

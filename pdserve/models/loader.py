@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from pdserve.errors import ConfigError
 from pdserve.models import fp8
 from pdserve.models.config import ModelConfig
 from pdserve.models.llama import CausalLM
@@ -37,12 +38,19 @@ def load_model(model: str, dtype: str, device: torch.device, seed: int = 0,
     with ``kernels``, its elementwise ops run as CUDA kernels where the device allows;
     ``max_model_len`` (0: the model's own) caps its context; ``quantization`` "fp8" quantizes
     a 16-bit model's linear layers to FP8 (an FP8 checkpoint is FP8 either way)."""
-    from pdserve.models.quant_config import AT_LOAD, check_quantization_flag
+    from pdserve.models.quant_config import (
+        AT_LOAD,
+        check_quantization_flag,
+        checkpoint_quant_method,
+    )
     from pdserve.models.source import with_max_len
 
-    config = with_max_len(model_config(model), max_model_len)
+    check_quantization_flag(quantization, checkpoint_quant_method(model))
+    try:
+        config = with_max_len(model_config(model), max_model_len)
+    except ValueError as err:   # an unsupported architecture or quantization: one line
+        raise ConfigError(f"--model {model}: {err}") from err
     scheme = config.weight_quant
-    check_quantization_flag(quantization, scheme.method if scheme else "")
     torch_dtype = resolve_dtype(dtype, config)
     with torch.device("meta"):
         net = CausalLM(config)
