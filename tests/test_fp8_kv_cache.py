@@ -33,10 +33,12 @@ BF16_LAYOUT = KVLayout(**{**FP8_LAYOUT.__dict__, "dtype": "bfloat16"})
 MIN_TOP1_AGREEMENT = 0.9
 
 
-def _runner(kv_cache_dtype: str, model: str = "tiny", **kwargs) -> ModelRunner:  # noqa: ANN003
+def _runner(kv_cache_dtype: str, model: str = "tiny", num_pages: int = 1024,
+            kv_cache_gb: str = "auto") -> ModelRunner:
     torch.set_num_threads(1)
-    return ModelRunner(EngineConfig(model=model, page_size=4, num_pages=kwargs.pop("num_pages", 1024),
-                                    kv_cache_dtype=kv_cache_dtype, **kwargs), "prefill")
+    return ModelRunner(EngineConfig(model=model, page_size=4, num_pages=num_pages,
+                                    kv_cache_gb=kv_cache_gb, kv_cache_dtype=kv_cache_dtype),
+                       "prefill")
 
 
 @pytest.fixture(scope="module")
