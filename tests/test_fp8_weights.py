@@ -93,17 +93,20 @@ def quantize_rows(w: torch.Tensor, per_tensor: bool) -> Quantized:
     return q, scale, q.float() * scale.reshape(-1, 1)
 
 
-def write_fp8_folder(folder, model: transformers.PreTrainedModel, quant: dict) -> dict:
+def write_fp8_folder(folder, model: transformers.PreTrainedModel, quant: dict,
+                     dense: tuple[str, ...] = ()) -> dict:
     """Writes ``model`` as an FP8 checkpoint in ``quant``'s layout (config.json with the
-    quantization_config, safetensors with FP8 weights and scales, a tokenizer); returns the
-    dequantized state dict."""
+    quantization_config, safetensors with FP8 weights and scales, a tokenizer), the weights
+    whose names contain one of ``dense`` left as they are; returns the dequantized state
+    dict."""
     method = quant["quant_method"]
     group = quant.get("config_groups", {}).get("group_0", {})
     strategy = "block" if method == "fp8" else group["weights"]["strategy"]
     static = method != "fp8" and not group["input_activations"]["dynamic"]
     tensors, dequantized = {}, {}
     for key, value in model.state_dict().items():
-        if not (key.startswith("model.layers.") and key.endswith("_proj.weight")):
+        if (not (key.startswith("model.layers.") and key.endswith("_proj.weight"))
+                or any(part in key for part in dense)):
             tensors[key] = dequantized[key] = value.contiguous()
             continue
         if strategy == "block":
@@ -193,6 +196,23 @@ def test_fp8_checkpoint_layers_hold_fp8_weights_and_lm_head_stays_dense(fp8_chec
     dense = sum(p.numel() * p.element_size() for p in hf.parameters())
     quantized = sum(p.numel() for n, p in hf.named_parameters() if n.endswith("_proj.weight"))
     assert held < dense - 2.9 * quantized
+
+
+@pytest.mark.parametrize("quant, dense", [
+    ({**BLOCK_FP8, "modules_to_not_convert": ["lm_head", "model.layers.1.mlp"]},
+     "layers.1.mlp."),
+    ({**compressed_tensors("channel", False),
+      "ignore": ["lm_head", r"re:.*layers\.1\.self_attn\."]}, "layers.1.self_attn."),
+], ids=["fp8 modules_to_not_convert", "compressed-tensors ignore"])
+def test_ignored_layers_stay_dense_and_still_match(tmp_path, quant, dense):
+    model = hf_model("llama", "tiny")
+    dequantized = write_fp8_folder(tmp_path / "fp8", model, quant, dense=(dense,))
+    runner = runner_for(tmp_path / "fp8")
+    kinds = {name: type(module).__name__ for name, module in runner.model.named_modules()
+             if name.endswith("_proj")}
+    assert {name for name, kind in kinds.items() if kind == "Linear"} == {
+        name for name in kinds if name.startswith(dense)}
+    assert_matches(reference(model, dequantized, tmp_path / "ref"), runner)
 
 
 def test_weights_dequantized_at_load_as_on_cuda_compute_the_same_logits(tmp_path):

@@ -138,8 +138,8 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 @torch.no_grad()
 def quantize_linears(net: nn.Module, scheme: Fp8Scheme) -> int:
     """--quantization fp8: every linear layer ``scheme`` quantizes, loaded in 16 bits, becomes
-    an Fp8Linear with per-output-channel scales (one layer at a time, so the 16-bit copy of
-    only one layer is held beside the FP8 model). Returns how many were."""
+    an Fp8Linear with per-output-channel scales, one layer at a time (the peak is the 16-bit
+    model and one FP8 layer). Returns how many were."""
     names = _quantized_linears(net, scheme)
     for name in names:
         linear = net.get_submodule(name)
