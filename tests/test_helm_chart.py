@@ -58,6 +58,10 @@ VALUE_SETS = {
                       "servedName": "qwen", "maxModelLen": 8192},
             "hfToken": {"value": "hf_secret"}, "jitCache": {"claimName": "jit"},
             "router": {"chatTemplate": "/etc/templates/chat.jinja"}},
+    "fp8": {"model": {"source": "hub", "hub": {"repoId": "Qwen/Qwen3-8B"},
+                      "quantization": "fp8", "kvCacheDtype": "fp8_e4m3"},
+            "prefill": {"gpus": 1, "settings": {"attention-backend": "torch"}},
+            "decode": {"gpus": 1, "settings": {"attention-backend": "torch"}}},
 }
 
 
@@ -157,7 +161,7 @@ def test_router_discovers_the_headless_worker_services(rendered):
 def test_workers_agree_on_the_kv_layout_and_decode_advertises_its_pod_ip(rendered):
     _, objects, _ = rendered
     prefill, decode = (_args(_one(objects, "Deployment", r)) for r in ("prefill", "decode"))
-    for key in ("model", "dtype", "page-size"):
+    for key in ("model", "dtype", "page-size", "kv-cache-dtype"):
         assert prefill[key] == decode[key]
     assert decode["advertise-host"] == "$(POD_IP)"
     env = {e["name"] for e in _container(_one(objects, "Deployment", "decode"))["env"]}
@@ -305,6 +309,14 @@ def test_kv_transfer_engine_reaches_the_decode_pods():
     ({"kvTransfer": {"engine": "rdma"}}, "engine"),
     ({"router": {"settings": {"http-port": 9000}}}, "the chart sets --http-port"),
     ({"tls": {"enabled": True}}, "tls.secretName is required"),
+    ({"model": {"kvCacheDtype": "fp8"}}, "kvCacheDtype"),
+    ({"model": {"quantization": "int4"}}, "quantization"),
+    ({"decode": {"settings": {"kv-cache-dtype": "fp8_e4m3"}}}, "the chart sets --kv-cache-dtype"),
+    ({"prefill": {"settings": {"quantization": "fp8"}}}, "the chart sets --quantization"),
+    ({"model": {"kvCacheDtype": "fp8_e4m3"}, "decode": {"gpus": 1}},
+     "fp8_e4m3 on GPUs needs decode.settings.attention-backend: torch"),
+    ({"model": {"kvCacheDtype": "fp8_e4m3"}, "prefill": {"gpus": 1, "settings": {
+        "attention-backend": "fa"}}}, "needs prefill.settings.attention-backend: torch"),
 ])
 def test_bad_values_fail_with_a_clear_message(values, message):
     with pytest.raises(helm.HelmError, match=message):
@@ -379,3 +391,28 @@ def test_values_schema_rejects_unknown_keys_at_every_level():
                 check(child, value[key], f"{path}.{key}")
 
     check(schema, values, "values")
+
+
+def test_fp8_weights_and_kv_cache_reach_both_workers_alike():
+    """model.quantization and model.kvCacheDtype become both workers' --quantization and
+    --kv-cache-dtype, which their own parsers take; the router gets neither. By default the KV
+    dtype is auto and --quantization is left out (the checkpoint's weights as they are)."""
+    objects, _ = render(VALUE_SETS["fp8"])
+    for role in ("prefill", "decode"):
+        container = _container(_one(objects, "Deployment", role))
+        assert {"--quantization=fp8", "--kv-cache-dtype=fp8_e4m3",
+                "--attention-backend=torch"} <= set(container["args"])
+        engine = role_config(role, build_parser().parse_args([role, *container["args"]])).engine
+        assert (engine.quantization, engine.kv_cache_dtype) == ("fp8", "fp8_e4m3")
+    router = _args(_one(objects, "Deployment", "router"))
+    assert "quantization" not in router and "kv-cache-dtype" not in router
+    objects, _ = render({})
+    for role in ("prefill", "decode"):
+        args = _args(_one(objects, "Deployment", role))
+        assert args["kv-cache-dtype"] == "auto" and "quantization" not in args
+    # FP8 KV on the CPU needs no backend setting, nor does a GPU pod told to run on the CPU,
+    # nor one given the torch backend through extraArgs.
+    render({"model": {"kvCacheDtype": "fp8_e4m3"}})
+    render({"model": {"kvCacheDtype": "fp8_e4m3"},
+            "prefill": {"gpus": 1, "settings": {"device": "cpu"}},
+            "decode": {"gpus": 1, "extraArgs": ["--attention-backend=torch"]}})

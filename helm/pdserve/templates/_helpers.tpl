@@ -105,11 +105,23 @@ app.kubernetes.io/component: {{ .role }}
 {{- end }}
 {{- end -}}
 
-{{/* Flags every worker takes from model: (prefill and decode must agree on them). */}}
+{{/* Flags every worker takes from model: (prefill and decode must agree on them). An FP8 KV
+cache on a GPU needs the torch attention backend for now (the worker's preflight refuses it
+otherwise): refused here, before any pod starts. */}}
 {{- define "pdserve.engineArgs" -}}
+{{- $m := .root.Values.model -}}
+{{- $values := index .root.Values .role -}}
+{{- $settings := $values.settings | default dict -}}
+{{- if and (eq $m.kvCacheDtype "fp8_e4m3") (gt (int $values.gpus) 0) (ne (toString (get $settings "device")) "cpu") (ne (toString (get $settings "attention-backend")) "torch") (not (has "--attention-backend=torch" ($values.extraArgs | default list))) -}}
+{{- fail (printf "model.kvCacheDtype fp8_e4m3 on GPUs needs %s.settings.attention-backend: torch for now (the fa and fi kernels do not read FP8 KV pages yet)" .role) -}}
+{{- end -}}
 {{ include "pdserve.modelArgs" .root }}
-- --dtype={{ .root.Values.model.dtype }}
-- --page-size={{ .root.Values.model.pageSize }}
+- --dtype={{ $m.dtype }}
+- --page-size={{ $m.pageSize }}
+- --kv-cache-dtype={{ $m.kvCacheDtype }}
+{{- with $m.quantization }}
+- --quantization={{ . }}
+{{- end }}
 {{- end -}}
 
 {{/* A role's `settings` (flag name: value) as flags. Names are checked against the role's
@@ -120,8 +132,8 @@ command: files/flags.json lists each role's flags, made from the code's config d
 {{- $flags := index (.root.Files.Get "files/flags.json" | fromJson) $role -}}
 {{- $common := list "host" "port" "metrics-port" "worker-id" "log-level" "shutdown-grace-s" "model" "revision" "served-model-name" "max-model-len" -}}
 {{- $managed := dict "router" (concat $common (list "prefill-discovery" "decode-discovery" "tls-cert-file" "tls-key-file" "health-port" "http-port" "chat-template"))
-                     "prefill" (concat $common (list "dtype" "page-size"))
-                     "decode" (concat $common (list "dtype" "page-size" "kv-transfer" "kv-transfer-port" "advertise-host")) -}}
+                     "prefill" (concat $common (list "dtype" "page-size" "kv-cache-dtype" "quantization"))
+                     "decode" (concat $common (list "dtype" "page-size" "kv-cache-dtype" "quantization" "kv-transfer" "kv-transfer-port" "advertise-host")) -}}
 {{- range $name, $value := (index .root.Values $role).settings }}
 {{- $kind := get $flags $name }}
 {{- if not $kind }}
