@@ -65,7 +65,8 @@ def _host_breakdown(runner: ModelRunner, seqs: list[SeqInput], params: list[Samp
 
 def tp_shard(preset: str, ways: int) -> str:
     """The name of a preset holding one rank's share of ``preset`` split ``ways`` ways (heads
-    and MLP width divided), declared on first use; ValueError where it does not divide."""
+    and MLP widths divided, each expert's too: every rank holds a slice of every expert),
+    declared on first use; ValueError where it does not divide."""
     if ways == 1:
         return preset
     if preset not in PRESETS:
@@ -73,14 +74,19 @@ def tp_shard(preset: str, ways: int) -> str:
                          f"not {preset!r}")
     base = PRESETS[preset]
     if ways < 2 or any(n % ways for n in (base.num_heads, base.num_kv_heads,
-                                          base.intermediate_size)):
+                                          base.intermediate_size, base.moe_intermediate_size,
+                                          base.shared_expert_intermediate_size)):
         raise ValueError(f"--tp-shard {ways}: {preset}'s {base.num_heads} query heads, "
                          f"{base.num_kv_heads} KV heads and MLP width "
-                         f"{base.intermediate_size} must divide by it")
+                         f"{base.intermediate_size}"
+                         + (f" (experts' {base.moe_intermediate_size})"
+                            if base.num_experts else "") + " must divide by it")
     name = f"{preset}-tp{ways}-shard"
     PRESETS.setdefault(name, dataclasses.replace(
         base, name=name, num_heads=base.num_heads // ways,
-        num_kv_heads=base.num_kv_heads // ways, intermediate_size=base.intermediate_size // ways))
+        num_kv_heads=base.num_kv_heads // ways, intermediate_size=base.intermediate_size // ways,
+        moe_intermediate_size=base.moe_intermediate_size // ways,
+        shared_expert_intermediate_size=base.shared_expert_intermediate_size // ways))
     return name
 
 

@@ -1,4 +1,5 @@
-"""The architecture of a Llama-family decoder, read from a Hugging Face config.json or a preset."""
+"""The architecture of a Llama-family decoder (dense or mixture-of-experts), read from a Hugging
+Face config.json or a preset."""
 from __future__ import annotations
 
 import json
@@ -13,6 +14,9 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
 
@@ -29,7 +33,7 @@ class RopeScaling:
 @dataclass(frozen=True)
 class ModelConfig:
     name: str
-    family: str                      # "llama", "qwen2" or "qwen3"
+    family: str                      # a value of SUPPORTED_ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -50,6 +54,18 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     weight_quant: Fp8Scheme | None = None   # the checkpoint's FP8 linear layers, if any
+    # Mixture of experts (num_experts 0: a dense model). A layer is sparse where
+    # ``is_moe_layer`` says; the others keep a dense MLP of ``intermediate_size``.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False           # renormalise the top-k routing weights to sum to 1
+    decoder_sparse_step: int = 1           # every n-th layer is sparse (Qwen2/3-MoE)
+    mlp_only_layers: tuple[int, ...] = ()  # dense whatever the step says (Qwen2/3-MoE)
+    shared_expert_intermediate_size: int = 0   # Qwen2-MoE: one gated expert every token takes
+    # Mixtral scales each expert's output by its float32 routing weight; Qwen casts the weight
+    # to the model's dtype first (as their transformers code does).
+    float32_routing_weights: bool = False
 
     @property
     def q_size(self) -> int:
@@ -58,6 +74,11 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Whether layer ``layer_id`` has experts (the rule of transformers' Qwen2/3-MoE)."""
+        return (self.num_experts > 0 and layer_id not in self.mlp_only_layers
+                and (layer_id + 1) % self.decoder_sparse_step == 0)
 
 
 def _eos_ids(value: Any) -> tuple[int, ...]:
@@ -83,6 +104,28 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         low_freq_factor=float(scaling["low_freq_factor"]),
         high_freq_factor=float(scaling["high_freq_factor"]),
         original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+    )
+
+
+def _moe_fields(cfg: dict[str, Any], family: str) -> dict[str, Any]:
+    if family not in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        return {}
+    # transformers 5 writes Qwen3-MoE's count as "num_local_experts" (Mixtral's name), the
+    # published checkpoints "num_experts".
+    num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if family == "mixtral":
+        return dict(num_experts=num_experts, num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+                    moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True,
+                    float32_routing_weights=True)
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+        moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+        mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+        shared_expert_intermediate_size=(int(cfg.get("shared_expert_intermediate_size") or 0)
+                                         if family == "qwen2_moe" else 0),
     )
 
 
@@ -113,14 +156,17 @@ def config_from_hf(cfg: dict[str, Any], name: str,
         rope_theta=theta,
         rope_scaling=scaling,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
-        o_bias=family != "qwen2" and bool(cfg.get("attention_bias", False)),
+        # Qwen2(-MoE): q/k/v biases only (Qwen2-MoE's "qkv_bias", true unless it says).
+        qkv_bias=(family == "qwen2" or (family == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))
+                  or (family not in ("qwen2", "qwen2_moe") and bool(cfg.get("attention_bias", False)))),
+        o_bias=family not in ("qwen2", "qwen2_moe") and bool(cfg.get("attention_bias", False)),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "qwen3_moe"),
         dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos,
         weight_quant=parse_quantization(cfg),
+        **_moe_fields(cfg, family),
     )
 
 

@@ -1,4 +1,5 @@
-"""Llama 2/3, Qwen2/2.5 and Qwen3 decoders over a paged KV cache.
+"""Llama 2/3, Mistral, Qwen2/2.5 and Qwen3 decoders, and their mixture-of-experts kin
+(Mixtral, Qwen2-MoE, Qwen3-MoE: see moe.py), over a paged KV cache.
 
 Parameter names follow Hugging Face checkpoints except that q/k/v and gate/up projections are
 fused (``qkv_proj``, ``gate_up_proj``); the loader concatenates them. The residual stream runs
@@ -15,6 +16,7 @@ from torch import nn
 
 from pdserve.models.config import ModelConfig
 from pdserve.models.layers import RMSNorm, rope_cos_sin
+from pdserve.models.moe import SparseMoeBlock
 from pdserve.models.ops import TorchOps
 
 if TYPE_CHECKING:
@@ -79,12 +81,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size,
-                                      bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size,
-                                   bias=config.mlp_bias)
+        inter = intermediate_size or config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return ctx.linear(self.down_proj, ctx.ops.silu_and_mul(ctx.linear(self.gate_up_proj, x)))
@@ -96,7 +97,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_id)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = _mlp(config, layer_id)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
                 ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,6 +110,14 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(h, ctx)
         h, residual = ctx.ops.add_rmsnorm(h, residual, norm_post.weight, norm_post.eps)
         return self.mlp(h, ctx), residual
+
+
+def _mlp(config: ModelConfig, layer_id: int) -> nn.Module:
+    if not config.is_moe_layer(layer_id):
+        return MLP(config)
+    shared = (MLP(config, config.shared_expert_intermediate_size)
+              if config.shared_expert_intermediate_size else None)
+    return SparseMoeBlock(config, shared)
 
 
 class CausalLM(nn.Module):

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -51,6 +53,10 @@ def load_model(model: str, dtype: str, device: torch.device, seed: int = 0,
     except ValueError as err:   # an unsupported architecture or quantization: one line
         raise ConfigError(f"--model {model}: {err}") from err
     scheme = config.weight_quant
+    if config.num_experts and (scheme is not None or quantization == "fp8"):
+        # Fp8Linear holds one linear layer; stacked experts have no FP8 form yet.
+        raise ConfigError(f"--model {model}: FP8 weights are not supported for "
+                          "mixture-of-experts models yet; serve its 16-bit checkpoint")
     torch_dtype = resolve_dtype(dtype, config)
     with torch.device("meta"):
         net = CausalLM(config)
@@ -78,26 +84,66 @@ def load_model(model: str, dtype: str, device: torch.device, seed: int = 0,
             fp8.dequantize_linears(net, torch_dtype)
             log.warning("weights: FP8 dequantized to %s at load (no FP8 GEMMs on CUDA yet)",
                         str(torch_dtype).removeprefix("torch."))
+    if config.num_experts and device.type == "cuda":
+        log.warning("experts: the fused MoE kernels are not wired yet; %d experts per layer "
+                    "run a reference loop (every expert for every token inside CUDA graphs): "
+                    "correct, slow", config.num_experts)
     net.prepare(device, select_ops(device, torch_dtype) if kernels else TorchOps(),
                 fused_rope_kv=fused_rope_kv, triton_gemv=triton_gemv)
     return net.eval().requires_grad_(False)
 
 
-def _fused_slot(config: ModelConfig, name: str) -> tuple[str, int, int]:
-    """Maps a checkpoint tensor name to (our parameter, row offset, rows); rows -1 = whole."""
+# A checkpoint's per-expert tensors: Qwen2/3-MoE's mlp.experts.{e}.gate_proj/up_proj/down_proj,
+# Mixtral's block_sparse_moe.experts.{e}.w1 (gate) / w3 (up) / w2 (down).
+_EXPERT_TENSOR = re.compile(
+    r"\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
+                "down_proj": "down", "w2": "down"}
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where a checkpoint tensor goes: our parameter ``name``, within it the expert ``expert``
+    (None: not stacked), then rows ``offset`` to ``offset + rows`` (rows -1: all of them)."""
+
+    name: str
+    expert: int | None = None
+    offset: int = 0
+    rows: int = -1
+
+    def target(self, param: torch.Tensor) -> torch.Tensor:
+        view = param if self.expert is None else param[self.expert]
+        return view if self.rows < 0 else view[self.offset:self.offset + self.rows]
+
+
+def _slot(config: ModelConfig, name: str) -> Slot:
+    """Maps a checkpoint tensor name to its place among our parameters."""
     name = name.removeprefix("model.")
+    expert = _EXPERT_TENSOR.search(name)
+    if expert:
+        layer = name[:expert.start()]
+        inter = config.moe_intermediate_size
+        part = _EXPERT_PART[expert[2]]
+        if part == "down":
+            return Slot(f"{layer}.mlp.experts.down_proj", int(expert[1]))
+        return Slot(f"{layer}.mlp.experts.gate_up_proj", int(expert[1]),
+                    0 if part == "gate" else inter, inter)
+    name = name.replace(".block_sparse_moe.gate.", ".mlp.gate.")
     q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
+    shared = config.shared_expert_intermediate_size
     fused = {
         ".self_attn.q_proj.": (".self_attn.qkv_proj.", 0, q),
         ".self_attn.k_proj.": (".self_attn.qkv_proj.", q, kv),
         ".self_attn.v_proj.": (".self_attn.qkv_proj.", q + kv, kv),
+        ".mlp.shared_expert.gate_proj.": (".mlp.shared_expert.gate_up_proj.", 0, shared),
+        ".mlp.shared_expert.up_proj.": (".mlp.shared_expert.gate_up_proj.", shared, shared),
         ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0, inter),
         ".mlp.up_proj.": (".mlp.gate_up_proj.", inter, inter),
     }
     for part, (ours, offset, rows) in fused.items():
         if part in name:
-            return name.replace(part, ours), offset, rows
-    return name, 0, -1
+            return Slot(name.replace(part, ours), None, offset, rows)
+    return Slot(name)
 
 
 def _our_param_name(name: str) -> str:
@@ -128,15 +174,16 @@ def _load_safetensors(net: CausalLM, model_dir: Path) -> None:
     params = dict(net.named_parameters())
     # A static input scale is the largest of its fused parts' (and optional until FP8 GEMMs).
     input_scales = {name: p.zero_() for name, p in params.items() if name.endswith("input_scale")}
-    rows_left = {name: p.shape[0] for name, p in params.items() if name not in input_scales}
+    # Elements of each parameter that no checkpoint tensor has filled yet.
+    elements_left = {name: p.numel() for name, p in params.items() if name not in input_scales}
     files = _checkpoint_files(model_dir)
     for file in progress(files, len(files), f"loading {model_dir.name} weights"):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
                 if "rotary_emb" in key or (key == "lm_head.weight" and net.config.tie_word_embeddings):
                     continue
-                name, offset, rows = _fused_slot(net.config, key)
-                name = _our_param_name(name)
+                slot = _slot(net.config, key)
+                name = _our_param_name(slot.name)
                 if name not in params:
                     raise ValueError(f"{file.name}: unexpected tensor {key!r}")
                 tensor = f.get_tensor(key)
@@ -144,7 +191,7 @@ def _load_safetensors(net: CausalLM, model_dir: Path) -> None:
                     input_scales[name].copy_(torch.maximum(input_scales[name],
                                                            tensor.float().reshape(1)))
                     continue
-                target = params[name] if rows < 0 else params[name][offset:offset + rows]
+                target = slot.target(params[name])
                 if name.endswith(".weight_scale"):
                     module = net.get_submodule(name.removesuffix(".weight_scale"))
                     tensor = fp8.scale_rows(module, key, tensor, target.shape[0])
@@ -155,8 +202,8 @@ def _load_safetensors(net: CausalLM, model_dir: Path) -> None:
                 if tensor.shape != target.shape:
                     raise ValueError(f"{key}: shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
                 target.copy_(tensor)
-                rows_left[name] -= target.shape[0]
-    missing = [name for name, left in rows_left.items() if left != 0]
+                elements_left[name] -= target.numel()
+    missing = [name for name, left in elements_left.items() if left != 0]
     if missing:
         raise ValueError(f"{model_dir}: checkpoint lacks {', '.join(sorted(missing)[:5])}")
 
@@ -182,5 +229,5 @@ def _init_random(net: CausalLM, seed: int) -> None:
         if name.endswith("bias"):
             values *= 0.1
         elif name != "embed_tokens.weight":
-            values /= math.sqrt(param.shape[1])
+            values /= math.sqrt(param.shape[-1])   # fan-in (experts are stacked: 3-D)
         param.copy_(values)

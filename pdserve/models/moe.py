@@ -1,0 +1,112 @@
+"""A sparse mixture-of-experts block (Mixtral, Qwen2-MoE, Qwen3-MoE) and its reference compute.
+
+Each token's router picks ``num_experts_per_tok`` of ``num_experts`` SwiGLU experts and sums
+their outputs weighted by its routing weights. The experts' weights are stacked per layer,
+``gate_up_proj`` [experts, 2 * moe_intermediate_size, hidden] (each expert's gate rows, then its
+up rows) and ``down_proj`` [experts, hidden, moe_intermediate_size], the layout a fused grouped
+GEMM takes; the loader fills them from the checkpoints' per-expert tensors.
+
+Only the reference path exists yet: a Python loop over the experts that received tokens, with
+one host sync per layer to learn which did. That is fine on the CPU; a GPU needs a fused MoE
+kernel (a grouped GEMM over tokens sorted by expert) to be fast. Inside a CUDA graph capture,
+where no host sync may happen, every expert computes every token instead and unchosen experts
+are weighted by zero: correct, and slow.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from pdserve.models.llama import ForwardContext
+
+
+class Experts(nn.Module):
+    """``num_experts`` SwiGLU MLPs without biases, their weights stacked (see the module's
+    docstring)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        """Sum over each token's chosen experts of weight times output; ``weights`` and
+        ``chosen`` are [tokens, top_k]."""
+        out = torch.zeros_like(x)
+        # Group the (token, slot) pairs by expert, slot-major within an expert as transformers
+        # orders them; a token takes an expert at most once, so one index_add_ per expert adds
+        # its contributions in the same order as the reference.
+        flat = chosen.t().reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        slots, rows = order // chosen.shape[0], order % chosen.shape[0]
+        # The one host sync of the layer: how many tokens each expert got (the reason the GPU
+        # wants a fused grouped GEMM instead of this loop).
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            token_rows = rows[start:start + count]
+            slot = slots[start:start + count]
+            start += count
+            h = ctx.ops.silu_and_mul(F.linear(x[token_rows], self.gate_up_proj[expert]))
+            h = F.linear(h, self.down_proj[expert]) * weights[token_rows, slot, None]
+            out.index_add_(0, token_rows, h.to(out.dtype))
+        return out
+
+    def forward_every_expert(self, x: torch.Tensor, weights: torch.Tensor,
+                             chosen: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The same sum without a host sync (for CUDA graphs): every expert computes every
+        token, and experts a token did not choose count with weight zero."""
+        dense = torch.zeros(x.shape[0], self.gate_up_proj.shape[0], dtype=weights.dtype,
+                            device=x.device).scatter_(1, chosen, weights)
+        h = ctx.ops.silu_and_mul(torch.matmul(x, self.gate_up_proj.transpose(1, 2)))
+        h = torch.matmul(h, self.down_proj.transpose(1, 2))        # [experts, tokens, hidden]
+        return torch.einsum("eth,te->th", h.to(dense.dtype), dense).to(x.dtype)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router, experts and, for Qwen2-MoE, a shared expert with a sigmoid gate; parameter names
+    follow Hugging Face's (``gate``, ``experts``, ``shared_expert``, ``shared_expert_gate``)."""
+
+    def __init__(self, config: ModelConfig, shared_expert: nn.Module | None = None) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.float32_routing_weights = config.float32_routing_weights
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = Experts(config.num_experts, config.hidden_size,
+                               config.moe_intermediate_size)
+        self.shared_expert = shared_expert
+        if shared_expert is not None:
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def route(self, x: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top-k routing weights and experts, [tokens, top_k] each: softmax over
+        the router's logits in float32, top-k, renormalised where the family says."""
+        logits = ctx.linear(self.gate, x)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if not self.float32_routing_weights:
+            weights = weights.to(x.dtype)
+        return weights, chosen
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        weights, chosen = self.route(x, ctx)
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            out = self.experts.forward_every_expert(x, weights, chosen, ctx)
+        else:
+            out = self.experts(x, weights, chosen, ctx)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x, ctx)
+            out = out + torch.sigmoid(ctx.linear(self.shared_expert_gate, x)) * shared
+        return out

@@ -1,0 +1,230 @@
+"""Mixture-of-experts models (Qwen3-MoE, Mixtral, Qwen2-MoE): our model against transformers on
+the same random weights saved as an HF folder, the expert compute, the presets, and a cluster
+that serves one exactly as a single process does."""
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+import transformers
+from conftest import generate, start_cluster, stop_cluster
+
+from pdserve.config import EngineConfig
+from pdserve.engine import local
+from pdserve.engine.batch import SeqInput
+from pdserve.engine.runner import ModelRunner
+from pdserve.errors import ConfigError
+from pdserve.models.llama import MLP, CausalLM, ForwardContext
+from pdserve.models.moe import SparseMoeBlock
+from pdserve.models.ops import TorchOps
+from pdserve.models.presets import PRESETS
+from pdserve.sampling_params import SamplingParams
+from protos.pdserve.v1 import generate_pb2
+
+VOCAB = 320
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
+QWEN3 = dict(COMMON, head_dim=16, moe_intermediate_size=32, rope_theta=1000000.0)
+
+# name: (config class, model class, config kwargs, which layers are sparse)
+CONFIGS = {
+    "qwen3-moe (norm_topk_prob, layer 1 in mlp_only_layers)": (
+        transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+        dict(QWEN3, num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
+             norm_topk_prob=True, mlp_only_layers=[1]), [True, False, True]),
+    "qwen3-moe (no renormalisation, decoder_sparse_step 2)": (
+        transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+        dict(QWEN3, num_hidden_layers=4, num_experts=4, num_experts_per_tok=2,
+             norm_topk_prob=False, decoder_sparse_step=2), [False, True, False, True]),
+    "mixtral": (
+        transformers.MixtralConfig, transformers.MixtralForCausalLM,
+        dict(COMMON, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
+             rope_theta=1000000.0), [True, True]),
+    "qwen2-moe (shared expert and its gate, qkv bias)": (
+        transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM,
+        dict(COMMON, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
+             moe_intermediate_size=32, shared_expert_intermediate_size=48,
+             norm_topk_prob=False), [True, True]),
+}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS), ids=list(CONFIGS))
+def hf_pair(request, tmp_path_factory):
+    config_cls, model_cls, kwargs, sparse = CONFIGS[request.param]
+    torch.manual_seed(0)
+    hf = model_cls(config_cls(**kwargs)).float().eval()
+    with torch.no_grad():  # the default init is tiny; widen it so logits are far from ties
+        for param in hf.parameters():
+            if param.dim() >= 2:
+                param.normal_(0, 1 / param.shape[-1] ** 0.5)
+    folder = tmp_path_factory.mktemp("hf-moe")
+    hf.save_pretrained(folder)
+    runner = ModelRunner(EngineConfig(model=str(folder), device="cpu", page_size=4, num_pages=256),
+                         "prefill")
+    return hf, runner, sparse
+
+
+def test_sparse_layers_follow_the_config(hf_pair):
+    hf, runner, sparse = hf_pair
+    ours = [isinstance(layer.mlp, SparseMoeBlock) for layer in runner.model.layers]
+    assert ours == sparse
+    theirs = [type(layer.mlp).__name__.endswith("SparseMoeBlock") for layer in hf.model.layers]
+    assert theirs == sparse
+
+
+def test_expert_weights_are_stacked_as_transformers_holds_them(hf_pair):
+    # The checkpoint has one tensor per expert and projection; we hold them as
+    # [experts, 2 * moe_intermediate, hidden] (gate rows, then up rows) and
+    # [experts, hidden, moe_intermediate], as transformers does in memory.
+    hf, runner, sparse = hf_pair
+    layer = sparse.index(True)
+    ours = runner.model.layers[layer].mlp.experts
+    theirs = hf.model.layers[layer].mlp.experts
+    assert ours.gate_up_proj.shape[0] == runner.model_config.num_experts
+    assert torch.equal(ours.gate_up_proj, theirs.gate_up_proj)
+    assert torch.equal(ours.down_proj, theirs.down_proj)
+
+
+def test_prefill_logits_match_transformers(hf_pair):
+    hf, runner, _ = hf_pair
+    ids = torch.randint(0, VOCAB, (2, 45), generator=torch.Generator().manual_seed(1)).tolist()
+    pages = [runner.pool.allocator.alloc(12) for _ in ids]
+    try:
+        # Two sequences in one batch, the second chunked (prefix in the pool, then the rest).
+        ours_full = runner.forward([SeqInput(ids[0], 0, pages[0]), SeqInput(ids[1][:20], 0, pages[1])])
+        ours_rest = runner.forward([SeqInput(ids[1][20:], 20, pages[1])])
+    finally:
+        for p in pages:
+            runner.pool.allocator.free(p)
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids)).logits
+    torch.testing.assert_close(ours_full[0], ref[0, -1], atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(ours_full[1], ref[1, 19], atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(ours_rest[0], ref[1, -1], atol=2e-4, rtol=1e-4)
+
+
+def test_greedy_tokens_match_transformers_generate(hf_pair):
+    hf, runner, _ = hf_pair
+    prompt = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert local.generate(runner, prompt, SamplingParams(max_new_tokens=20)) == ref
+
+
+def _block(seed: int = 0) -> tuple[SparseMoeBlock, ForwardContext, torch.Tensor]:
+    config = PRESETS["tiny-moe"]
+    gen = torch.Generator().manual_seed(seed)
+    block = SparseMoeBlock(config)
+    with torch.no_grad():
+        for param in block.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) / param.shape[-1] ** 0.5)
+    ctx = ForwardContext(batch=None, attn=None, ops=TorchOps(), cos_sin=torch.empty(0))  # type: ignore[arg-type]
+    return block, ctx, torch.randn(5, config.hidden_size, generator=gen)
+
+
+def test_experts_no_token_chose_are_not_computed():
+    block, ctx, x = _block()
+    expected = block(x, ctx)
+    _, chosen = block.route(x, ctx)
+    unchosen = sorted(set(range(block.experts.gate_up_proj.shape[0])) - set(chosen.flatten().tolist()))
+    assert unchosen, "five tokens choosing two of eight experts leave some unchosen"
+    with torch.no_grad():
+        block.experts.gate_up_proj[unchosen] = float("nan")
+        block.experts.down_proj[unchosen] = float("nan")
+    assert torch.equal(block(x, ctx), expected)
+
+
+def test_every_expert_path_for_cuda_graphs_equals_the_grouped_path():
+    block, ctx, x = _block(1)
+    weights, chosen = block.route(x, ctx)
+    grouped = block.experts(x, weights, chosen, ctx)
+    every = block.experts.forward_every_expert(x, weights, chosen, ctx)
+    torch.testing.assert_close(every, grouped, atol=1e-5, rtol=1e-5)
+
+
+def test_real_presets_have_their_published_shapes():
+    qwen = PRESETS["qwen3-30b-a3b"]
+    assert (qwen.num_experts, qwen.num_experts_per_tok, qwen.moe_intermediate_size) == (128, 8, 768)
+    assert qwen.norm_topk_prob and qwen.qk_norm
+    mixtral = PRESETS["mixtral-8x7b"]
+    assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.moe_intermediate_size) == (
+        8, 2, 14336)
+    with torch.device("meta"):
+        params = {name: sum(p.numel() for p in CausalLM(PRESETS[name]).parameters())
+                  for name in ("qwen3-30b-a3b", "mixtral-8x7b")}
+    assert round(params["qwen3-30b-a3b"] / 1e9, 1) == 30.5
+    assert round(params["mixtral-8x7b"] / 1e9, 1) == 46.7
+
+
+def test_fp8_is_refused_for_experts_in_one_line():
+    with pytest.raises(ConfigError, match="FP8 weights are not supported for mixture-of-experts"):
+        ModelRunner(EngineConfig(model="tiny-moe", device="cpu", page_size=4, num_pages=16,
+                                 quantization="fp8"), "prefill")
+
+
+def test_shared_expert_is_a_dense_mlp_of_its_own_size():
+    config = PRESETS["tiny-moe"]
+    block = SparseMoeBlock(config, MLP(config, 48))
+    assert block.shared_expert.gate_up_proj.weight.shape == (96, config.hidden_size)
+
+
+# --- a cluster serving the tiny-moe preset -------------------------------------------------
+
+@pytest.fixture(scope="module")
+def moe_runner():
+    return ModelRunner(EngineConfig(model="tiny-moe", device="cpu", page_size=4, num_pages=1024),
+                       "prefill")
+
+
+@pytest.fixture(scope="module")
+def moe_cluster():
+    cluster = start_cluster(["--model", "tiny-moe"])
+    yield cluster
+    assert stop_cluster(cluster) == 0
+
+
+def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(n)] for n in lengths]
+
+
+def test_cluster_greedy_matches_single_process(moe_cluster, moe_runner):
+    # Below, at and above the prefill chunk (48 tokens), concurrently.
+    prompts = _prompts(0, [1, 5, 47, 48, 49, 100])
+    stub = moe_cluster.stub()
+
+    def run(i: int) -> list[int]:
+        sampling = generate_pb2.SamplingParams(max_new_tokens=12 + i, ignore_eos=True)
+        return generate(stub, token_ids=generate_pb2.TokenIds(ids=prompts[i]), sampling=sampling)[0]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(run, range(len(prompts))))
+    for i, ids in enumerate(results):
+        expected = local.generate(moe_runner, prompts[i], SamplingParams(max_new_tokens=12 + i))
+        assert ids == expected, f"prompt {i} ({len(prompts[i])} tokens)"
+    assert moe_cluster.wait_all_pages_free(), moe_cluster.free_pages()
+
+
+def test_seeded_sampling_is_the_same_alone_or_batched(moe_cluster, moe_runner):
+    stub = moe_cluster.stub()
+    prompt = _prompts(1, [20])[0]
+    settings = dict(temperature=1.0, top_p=0.95, seed=42)
+    sampling = generate_pb2.SamplingParams(max_new_tokens=16, ignore_eos=True, **settings)
+    alone = generate(stub, token_ids=generate_pb2.TokenIds(ids=prompt), sampling=sampling)[0]
+
+    def other(i: int) -> list[int]:
+        s = generate_pb2.SamplingParams(max_new_tokens=20, temperature=0.7, seed=i, ignore_eos=True)
+        return generate(stub, token_ids=generate_pb2.TokenIds(ids=_prompts(10 + i, [9 + 7 * i])[0]),
+                        sampling=s)[0]
+
+    with ThreadPoolExecutor(5) as pool:
+        noise = [pool.submit(other, i) for i in range(4)]
+        batched = pool.submit(generate, stub, token_ids=generate_pb2.TokenIds(ids=prompt),
+                              sampling=sampling).result()[0]
+        [n.result() for n in noise]
+    assert alone == batched
+    assert alone == local.generate(moe_runner, prompt, SamplingParams(max_new_tokens=16, **settings))
+    assert moe_cluster.wait_all_pages_free(), moe_cluster.free_pages()
