@@ -114,6 +114,22 @@ def test_greedy_tokens_match_transformers_generate(hf_pair):
     assert local.generate(runner, prompt, SamplingParams(max_new_tokens=20)) == ref
 
 
+def test_a_checkpoint_of_stacked_expert_tensors_loads_too(hf_pair, tmp_path):
+    # transformers 5 holds experts stacked in memory (mlp.experts.gate_up_proj, no ".weight")
+    # and save_pretrained splits them per expert; a checkpoint written from the state dict as
+    # it is keeps them stacked, and loads as well.
+    from safetensors.torch import save_file
+
+    hf, runner, _ = hf_pair
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items()},
+              str(tmp_path / "model.safetensors"))
+    hf.config.save_pretrained(tmp_path)
+    stacked = ModelRunner(EngineConfig(model=str(tmp_path), device="cpu", page_size=4,
+                                       num_pages=64), "prefill")
+    for ours, theirs in zip(stacked.model.parameters(), runner.model.parameters()):
+        assert torch.equal(ours, theirs)
+
+
 def _block(seed: int = 0) -> tuple[SparseMoeBlock, ForwardContext, torch.Tensor]:
     config = PRESETS["tiny-moe"]
     gen = torch.Generator().manual_seed(seed)

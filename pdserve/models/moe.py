@@ -67,7 +67,10 @@ class Experts(nn.Module):
         token, and experts a token did not choose count with weight zero."""
         dense = torch.zeros(x.shape[0], self.gate_up_proj.shape[0], dtype=weights.dtype,
                             device=x.device).scatter_(1, chosen, weights)
-        h = ctx.ops.silu_and_mul(torch.matmul(x, self.gate_up_proj.transpose(1, 2)))
+        experts, tokens = self.gate_up_proj.shape[0], x.shape[0]
+        h = torch.matmul(x, self.gate_up_proj.transpose(1, 2))     # [experts, tokens, 2I]
+        # Rows of 2I for the elementwise kernel, which takes 2-D inputs.
+        h = ctx.ops.silu_and_mul(h.reshape(experts * tokens, -1)).view(experts, tokens, -1)
         h = torch.matmul(h, self.down_proj.transpose(1, 2))        # [experts, tokens, hidden]
         return torch.einsum("eth,te->th", h.to(dense.dtype), dense).to(x.dtype)
 
