@@ -20,7 +20,7 @@ def auto_chunk_size(model: ModelConfig, pool_tokens: int | None = None,
     (the previous step's prompts are still being written out to decode meanwhile), at least
     a page."""
     per_layer = (model.hidden_size * (model.q_size + 2 * model.kv_size)
-                 + model.q_size * model.hidden_size + 3 * model.hidden_size * model.intermediate_size)
+                 + model.q_size * model.hidden_size + 3 * model.hidden_size * model.mean_mlp_width)
     flops_per_token = 2 * model.num_layers * per_layer
     tokens = 1 << max(0, int(AUTO_CHUNK_FLOPS / flops_per_token).bit_length() - 1)
     low, high = AUTO_CHUNK_TOKENS

@@ -43,7 +43,7 @@ def auto_kv_bytes(device: torch.device, utilization: float, cfg: ModelConfig,
     torch.cuda.empty_cache()   # what loading the weights reserved and no longer uses
     _free, total = torch.cuda.mem_get_info(device)
     held = torch.cuda.memory_allocated(device)
-    activations = (step_tokens * (2 * cfg.intermediate_size + 6 * cfg.hidden_size) * 2
+    activations = (step_tokens * (2 * cfg.max_mlp_width + 6 * cfg.hidden_size) * 2
                    + 3 * 256 * cfg.vocab_size * 4)
     budget = int(utilization * total) - held - activations - CUDA_OVERHEAD_BYTES
     if budget <= 0:

@@ -75,6 +75,25 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def mlp_width(self, layer_id: int) -> int:
+        """The MLP width one token passes through in layer ``layer_id``: its experts' (the
+        chosen ones and a shared one) in a sparse layer, ``intermediate_size`` in a dense one."""
+        if not self.is_moe_layer(layer_id):
+            return self.intermediate_size
+        return (self.num_experts_per_tok * self.moe_intermediate_size
+                + self.shared_expert_intermediate_size)
+
+    @property
+    def mean_mlp_width(self) -> float:
+        """``mlp_width`` averaged over the layers (what a token's MLP FLOPs follow)."""
+        return sum(self.mlp_width(i) for i in range(self.num_layers)) / max(self.num_layers, 1)
+
+    @property
+    def max_mlp_width(self) -> int:
+        """The widest ``mlp_width`` (what a step's activations must hold)."""
+        return max((self.mlp_width(i) for i in range(self.num_layers)),
+                   default=self.intermediate_size)
+
     def is_moe_layer(self, layer_id: int) -> bool:
         """Whether layer ``layer_id`` has experts (the rule of transformers' Qwen2/3-MoE)."""
         return (self.num_experts > 0 and layer_id not in self.mlp_only_layers
