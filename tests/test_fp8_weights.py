@@ -13,6 +13,7 @@ from conftest import generate, start_cluster, stop_cluster
 from safetensors.torch import save_file
 from test_config_errors import _one_line_error, _pdserve
 from test_hf_folder import _train_tokenizer
+from test_model_matches_transformers import assert_greedy_matches, assert_prefill_logits_match
 
 from pdserve.config import EngineConfig
 from pdserve.engine import local
@@ -160,23 +161,9 @@ def fp8_checkpoint(request, tmp_path_factory):
 
 def assert_matches(hf: transformers.PreTrainedModel, runner: ModelRunner) -> None:
     """Prefill logits (two prompts in one batch, one chunked) and 8 greedy tokens."""
-    ids = torch.randint(0, VOCAB, (2, 37), generator=torch.Generator().manual_seed(1)).tolist()
-    pages = [runner.pool.allocator.alloc(10) for _ in ids]
-    try:
-        ours = runner.forward([SeqInput(ids[0], 0, pages[0]), SeqInput(ids[1][:20], 0, pages[1])])
-        rest = runner.forward([SeqInput(ids[1][20:], 20, pages[1])])
-    finally:
-        for p in pages:
-            runner.pool.allocator.free(p)
-    with torch.no_grad():
-        ref = hf(torch.tensor(ids)).logits
-    torch.testing.assert_close(ours[0], ref[0, -1], atol=2e-4, rtol=1e-4)
-    torch.testing.assert_close(ours[1], ref[1, 19], atol=2e-4, rtol=1e-4)
-    torch.testing.assert_close(rest[0], ref[1, -1], atol=2e-4, rtol=1e-4)
-    with torch.no_grad():
-        expected = hf.generate(torch.tensor(ids[:1]), max_new_tokens=8, do_sample=False,
-                               eos_token_id=None, pad_token_id=1)[0, 37:].tolist()
-    assert local.generate(runner, ids[0], SamplingParams(max_new_tokens=8)) == expected
+    assert_prefill_logits_match(hf, runner, VOCAB, length=37)
+    prompt = torch.randint(0, VOCAB, (37,), generator=torch.Generator().manual_seed(1)).tolist()
+    assert_greedy_matches(hf, runner, prompt, 8, pad_token_id=1)
 
 
 def test_fp8_checkpoint_matches_transformers_on_its_dequantized_weights(fp8_checkpoint):

@@ -63,12 +63,13 @@ def test_checkpoint_is_sharded_and_config_is_read(hf_pair):
     assert json.loads((folder / "config.json").read_text())["vocab_size"] == 320
 
 
-def test_prefill_logits_match_transformers(hf_pair):
-    hf, runner, _ = hf_pair
-    ids = torch.randint(0, 320, (2, 45), generator=torch.Generator().manual_seed(1)).tolist()
-    pages = [runner.pool.allocator.alloc(12) for _ in ids]
+def assert_prefill_logits_match(hf: transformers.PreTrainedModel, runner: ModelRunner,
+                                vocab: int, length: int = 45) -> None:
+    """Two prompts in one batch, the second chunked (prefix in the pool, then the rest): each
+    last logit row as transformers computes it."""
+    ids = torch.randint(0, vocab, (2, length), generator=torch.Generator().manual_seed(1)).tolist()
+    pages = [runner.pool.allocator.alloc(runner.pool.pages_for(length)) for _ in ids]
     try:
-        # Two sequences in one batch, the second chunked (prefix in the pool, then the rest).
         ours_full = runner.forward([SeqInput(ids[0], 0, pages[0]), SeqInput(ids[1][:20], 0, pages[1])])
         ours_rest = runner.forward([SeqInput(ids[1][20:], 20, pages[1])])
     finally:
@@ -81,10 +82,21 @@ def test_prefill_logits_match_transformers(hf_pair):
     torch.testing.assert_close(ours_rest[0], ref[1, -1], atol=2e-4, rtol=1e-4)
 
 
+def assert_greedy_matches(hf: transformers.PreTrainedModel, runner: ModelRunner,
+                          prompt: list[int], max_new_tokens: int, pad_token_id: int = 0) -> None:
+    """Greedy tokens equal transformers' generate()."""
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                          eos_token_id=None, pad_token_id=pad_token_id)[0, len(prompt):].tolist()
+    assert local.generate(runner, prompt, SamplingParams(max_new_tokens=max_new_tokens)) == ref
+
+
+def test_prefill_logits_match_transformers(hf_pair):
+    hf, runner, _ = hf_pair
+    assert_prefill_logits_match(hf, runner, 320)
+
+
 def test_greedy_tokens_match_transformers_generate(hf_pair):
     hf, runner, _ = hf_pair
     prompt = torch.randint(0, 320, (30,), generator=torch.Generator().manual_seed(2)).tolist()
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    assert local.generate(runner, prompt, SamplingParams(max_new_tokens=20)) == ref
+    assert_greedy_matches(hf, runner, prompt, 20)

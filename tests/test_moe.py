@@ -10,10 +10,10 @@ import pytest
 import torch
 import transformers
 from conftest import generate, start_cluster, stop_cluster
+from test_model_matches_transformers import assert_greedy_matches, assert_prefill_logits_match
 
 from pdserve.config import EngineConfig
 from pdserve.engine import local
-from pdserve.engine.batch import SeqInput
 from pdserve.engine.runner import ModelRunner
 from pdserve.errors import ConfigError
 from pdserve.models.llama import MLP, CausalLM, ForwardContext
@@ -89,29 +89,13 @@ def test_expert_weights_are_stacked_as_transformers_holds_them(hf_pair):
 
 def test_prefill_logits_match_transformers(hf_pair):
     hf, runner, _ = hf_pair
-    ids = torch.randint(0, VOCAB, (2, 45), generator=torch.Generator().manual_seed(1)).tolist()
-    pages = [runner.pool.allocator.alloc(12) for _ in ids]
-    try:
-        # Two sequences in one batch, the second chunked (prefix in the pool, then the rest).
-        ours_full = runner.forward([SeqInput(ids[0], 0, pages[0]), SeqInput(ids[1][:20], 0, pages[1])])
-        ours_rest = runner.forward([SeqInput(ids[1][20:], 20, pages[1])])
-    finally:
-        for p in pages:
-            runner.pool.allocator.free(p)
-    with torch.no_grad():
-        ref = hf(torch.tensor(ids)).logits
-    torch.testing.assert_close(ours_full[0], ref[0, -1], atol=2e-4, rtol=1e-4)
-    torch.testing.assert_close(ours_full[1], ref[1, 19], atol=2e-4, rtol=1e-4)
-    torch.testing.assert_close(ours_rest[0], ref[1, -1], atol=2e-4, rtol=1e-4)
+    assert_prefill_logits_match(hf, runner, VOCAB)
 
 
 def test_greedy_tokens_match_transformers_generate(hf_pair):
     hf, runner, _ = hf_pair
     prompt = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(2)).tolist()
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    assert local.generate(runner, prompt, SamplingParams(max_new_tokens=20)) == ref
+    assert_greedy_matches(hf, runner, prompt, 20)
 
 
 def test_a_checkpoint_of_stacked_expert_tensors_loads_too(hf_pair, tmp_path):
