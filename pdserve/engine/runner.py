@@ -21,6 +21,7 @@ from pdserve.kvcache.pool import KVLayout, KVPool
 from pdserve.models.config import ModelConfig
 from pdserve.models.loader import load_model
 from pdserve.models.source import local_model
+from pdserve.parallel.tensor import TPGroup, is_parallel
 from pdserve.preflight import kv_cache_gib
 from pdserve.profiling import StepProfiler
 
@@ -92,12 +93,15 @@ class ModelRunner:
     """Owns the model, the KV pool and the attention backend of one worker."""
 
     def __init__(self, config: EngineConfig, role: str,
-                 step_tokens: int = ACTIVATION_TOKENS, min_pool_tokens: int = 0) -> None:
+                 step_tokens: int = ACTIVATION_TOKENS, min_pool_tokens: int = 0,
+                 tp: TPGroup | None = None) -> None:
         """``step_tokens``: the most tokens one step computes (sizes the activation reserve
         that an automatic KV pool leaves free). ``min_pool_tokens``: what an automatic pool on
         a GPU should hold at least (prefill: a prompt of the longest context and a step, else
         valid prompts are refused); it may take up to MIN_POOL_EXTRA_SHARE of the GPU beyond
-        its share for that, and warns if even that is short."""
+        its share for that, and warns if even that is short. ``tp``: this process is one rank
+        of a tensor-parallel group (every rank runs the same steps; its pool holds its own KV
+        heads)."""
         if config.torch_threads > 0:
             torch.set_num_threads(config.torch_threads)
         self.device = resolve_device(config.device)
@@ -113,14 +117,15 @@ class ModelRunner:
                                 fused_rope_kv=config.fused_rope_kv and not fp8_kv,
                                 triton_gemv=config.triton_gemv,
                                 max_model_len=config.max_model_len,
-                                quantization=config.quantization)
+                                quantization=config.quantization, tp=tp)
         self.model_config = self.model.config
+        heads = self.model.heads   # this rank's
         dtype = next(self.model.parameters()).dtype
         kv_dtype = kv_storage_dtype(config.kv_cache_dtype, dtype)
         self.layout = KVLayout(
             model=self.model_config.name, dtype=str(kv_dtype).removeprefix("torch."),
             page_size=config.page_size, num_layers=self.model_config.num_layers,
-            num_kv_heads=self.model_config.num_kv_heads, head_dim=self.model_config.head_dim)
+            num_kv_heads=heads.num_kv_heads, head_dim=self.model_config.head_dim)
         num_pages = config.num_pages or self._pages_for_budget(config, kv_dtype, step_tokens,
                                                                min_pool_tokens)
         try:
@@ -132,7 +137,7 @@ class ModelRunner:
                 "--gpu-memory-utilization or --kv-cache-gb, or free the GPU") from err
         self.backend_name, reason = resolve_backend(config.attention_backend, role, self.device,
                                                     dtype, self.model_config.head_dim)
-        self.attn = create_backend(self.backend_name, self.pool, self.model_config.num_heads,
+        self.attn = create_backend(self.backend_name, self.pool, heads.num_heads,
                                    self.model_config.head_dim)
         log.info("%s: model %s (%s) on %s; attention backend %r (%s); layer kernels %s; "
                  "%d KV pages of %d tokens (%d tokens, KV dtype %s)", role,
@@ -140,8 +145,9 @@ class ModelRunner:
                  self.backend_name, reason, self.model.ops.name, num_pages, config.page_size,
                  num_pages * config.page_size, self.layout.dtype)
         self.graphs: CudaGraphRunner | None = None
+        # Graphs with the tensor-parallel collectives inside are not captured yet.
         if (role == "decode" and self.device.type == "cuda" and not config.disable_cuda_graph
-                and self._backend_supports_graphs()):
+                and not is_parallel(tp) and self._backend_supports_graphs()):
             self.graphs = CudaGraphRunner(self.model, self.attn, self.pool,
                                           config.cuda_graph_max_bs, self.model_config.max_model_len,
                                           config.graph_blas)
@@ -157,7 +163,7 @@ class ModelRunner:
                           step_tokens: int, min_pool_tokens: int = 0) -> int:
         cfg = self.model_config
         page_size = self.layout.page_size
-        bytes_per_page = (cfg.num_layers * 2 * page_size * cfg.num_kv_heads
+        bytes_per_page = (cfg.num_layers * 2 * page_size * self.layout.num_kv_heads
                           * cfg.head_dim * torch.empty((), dtype=dtype).element_size())
         gib = kv_cache_gib(config.kv_cache_gb)
         if gib is None:

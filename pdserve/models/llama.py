@@ -18,6 +18,16 @@ from pdserve.models.config import ModelConfig
 from pdserve.models.layers import RMSNorm, rope_cos_sin
 from pdserve.models.moe import SparseMoeBlock
 from pdserve.models.ops import TorchOps
+from pdserve.parallel.tensor import (
+    ColumnParallelLinear,
+    HeadSplit,
+    ParallelLMHead,
+    Part,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+    is_parallel,
+)
 
 if TYPE_CHECKING:
     from pdserve.attention.base import AttentionBackend
@@ -46,13 +56,27 @@ class ForwardContext:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.config = config
-        self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size,
-                                  bias=config.qkv_bias)
-        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias)
+        # This rank's heads (all of them without tensor parallelism).
+        heads = HeadSplit.of(config.num_heads, config.num_kv_heads, tp)
+        self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
+        self.q_size = heads.num_heads * config.head_dim
+        self.kv_size = heads.num_kv_heads * config.head_dim
+        if is_parallel(tp):
+            assert tp is not None
+            kv = Part(config.kv_size, heads.kv_start * config.head_dim, self.kv_size)
+            self.qkv_proj = ColumnParallelLinear(
+                config.hidden_size, [Part.even(config.q_size, tp, "the attention heads"), kv, kv],
+                bias=config.qkv_bias)
+            self.o_proj = RowParallelLinear(config.q_size, config.hidden_size, config.o_bias,
+                                            tp, "the attention heads")
+        else:
+            self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size,
+                                      bias=config.qkv_bias)
+            self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -63,41 +87,51 @@ class Attention(nn.Module):
             pool = ctx.attn.pool
             q = ctx.ops.rope_store_kv(
                 ctx.linear(self.qkv_proj, x), ctx.batch.positions, ctx.batch.out_slots, ctx.cos_sin,
-                pool.k_cache(self.layer_id), pool.v_cache(self.layer_id), cfg.num_heads,
-                cfg.num_kv_heads, cfg.head_dim, self.q_norm.weight if cfg.qk_norm else None,
+                pool.k_cache(self.layer_id), pool.v_cache(self.layer_id), self.num_heads,
+                self.num_kv_heads, cfg.head_dim, self.q_norm.weight if cfg.qk_norm else None,
                 self.k_norm.weight if cfg.qk_norm else None, cfg.rms_norm_eps)
             out = ctx.attn.attend(q, self.layer_id, ctx.batch)
-            return ctx.linear(self.o_proj, out.reshape(-1, cfg.q_size))
-        q, k, v = ctx.linear(self.qkv_proj, x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(-1, cfg.num_heads, cfg.head_dim)
-        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+            return ctx.linear(self.o_proj, out.reshape(-1, self.q_size))
+        q, k, v = ctx.linear(self.qkv_proj, x).split([self.q_size, self.kv_size, self.kv_size],
+                                                     dim=-1)
+        q = q.view(-1, self.num_heads, cfg.head_dim)
+        k = k.view(-1, self.num_kv_heads, cfg.head_dim)
+        v = v.view(-1, self.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q = ctx.ops.rmsnorm(q, self.q_norm.weight, self.q_norm.eps)
             k = ctx.ops.rmsnorm(k, self.k_norm.weight, self.k_norm.eps)
         q, k = ctx.ops.rope(ctx.batch.positions, q, k, ctx.cos_sin)
         out = ctx.attn.forward(q, k, v, self.layer_id, ctx.batch)
-        return ctx.linear(self.o_proj, out.reshape(-1, cfg.q_size))
+        return ctx.linear(self.o_proj, out.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None,
+                 tp: TPGroup | None = None) -> None:
         super().__init__()
         inter = intermediate_size or config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(inter, config.hidden_size, bias=config.mlp_bias)
+        if is_parallel(tp):
+            assert tp is not None
+            half = Part.even(inter, tp, "the MLP's intermediate size")
+            self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [half, half],
+                                                     bias=config.mlp_bias)
+            self.down_proj = RowParallelLinear(inter, config.hidden_size, config.mlp_bias, tp,
+                                               "the MLP's intermediate size")
+        else:
+            self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=config.mlp_bias)
+            self.down_proj = nn.Linear(inter, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return ctx.linear(self.down_proj, ctx.ops.silu_and_mul(ctx.linear(self.gate_up_proj, x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_id)
+        self.self_attn = Attention(config, layer_id, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = _mlp(config, layer_id)
+        self.mlp = _mlp(config, layer_id, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
                 ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,30 +146,47 @@ class DecoderLayer(nn.Module):
         return self.mlp(h, ctx), residual
 
 
-def _mlp(config: ModelConfig, layer_id: int) -> nn.Module:
+def _mlp(config: ModelConfig, layer_id: int, tp: TPGroup | None) -> nn.Module:
     if not config.is_moe_layer(layer_id):
-        return MLP(config)
+        return MLP(config, tp=tp)
     shared = (MLP(config, config.shared_expert_intermediate_size)
               if config.shared_expert_intermediate_size else None)
     return SparseMoeBlock(config, shared)
 
 
 class CausalLM(nn.Module):
-    """The whole decoder: token ids in, logits of each sequence's last new token out."""
+    """The whole decoder: token ids in, logits of each sequence's last new token out.
 
-    def __init__(self, config: ModelConfig) -> None:
+    With a ``tp`` group of several ranks, this process holds its rank's share of each layer
+    (pdserve/parallel/tensor.py) and every rank returns the same logits; ``heads`` are its
+    attention heads, which its KV pool and attention backend must be built for. ValueError
+    where the heads do not split evenly over the ranks, or for mixture-of-experts models."""
+
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = config
-        # Given its (empty) weight, nn.Embedding skips its random init: on the meta device that
-        # init imports torch._dynamo, 1.7 s of every worker's start on a CPU, for values the
-        # loader overwrites anyway.
-        self.embed_tokens = nn.Embedding(
-            config.vocab_size, config.hidden_size,
-            _weight=torch.empty(config.vocab_size, config.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.tp = tp if is_parallel(tp) else None
+        self.heads = HeadSplit.of(config.num_heads, config.num_kv_heads, tp)
+        if self.tp is not None:
+            if config.num_experts:
+                raise ValueError("tensor parallelism does not support mixture-of-experts "
+                                 "models yet")
+            self.embed_tokens: nn.Module = VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, self.tp)
+        else:
+            # Given its (empty) weight, nn.Embedding skips its random init: on the meta device
+            # that init imports torch._dynamo, 1.7 s of every worker's start on a CPU, for
+            # values the loader overwrites anyway.
+            self.embed_tokens = nn.Embedding(
+                config.vocab_size, config.hidden_size,
+                _weight=torch.empty(config.vocab_size, config.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, self.tp)
+                                    for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size, self.tp)
+                            if self.tp is not None else
+                            nn.Linear(config.hidden_size, config.vocab_size, bias=False))
         self.cos_sin: torch.Tensor | None = None
         self.ops: TorchOps = TorchOps()
         self.fuse_rope_kv = False
@@ -174,6 +225,9 @@ class CausalLM(nn.Module):
                 batch.on_layer(i)
         rows = batch.logits_indices
         x, _ = self.ops.add_rmsnorm(x[rows], residual[rows], self.norm.weight, self.norm.eps)
-        weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        logits = self.ops.gemv(x, weight) if ctx.gemv else F.linear(x, weight)
+        head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+        if self.tp is not None:   # this rank's vocabulary slice, then every rank's gathered
+            logits = head.logits(x)
+        else:
+            logits = self.ops.gemv(x, head.weight) if ctx.gemv else F.linear(x, head.weight)
         return logits.float() if float_logits else logits

@@ -16,6 +16,7 @@ from pdserve.models.config import ModelConfig
 from pdserve.models.llama import CausalLM
 from pdserve.models.ops import TorchOps, select_ops
 from pdserve.models.presets import model_config
+from pdserve.parallel.tensor import Sharded, TPGroup, is_parallel
 from pdserve.progress import progress
 
 __all__ = ["DTYPES", "load_model", "model_config", "resolve_dtype"]
@@ -35,11 +36,13 @@ def resolve_dtype(requested: str, config: ModelConfig) -> torch.dtype:
 def load_model(model: str, dtype: str, device: torch.device, seed: int = 0,
                kernels: bool = True, fused_rope_kv: bool = True,
                triton_gemv: bool = True, max_model_len: int = 0,
-               quantization: str = "") -> CausalLM:
+               quantization: str = "", tp: TPGroup | None = None) -> CausalLM:
     """The model in ``dtype`` ("auto": the checkpoint's) on ``device``, ready for inference;
     with ``kernels``, its elementwise ops run as CUDA kernels where the device allows;
     ``max_model_len`` (0: the model's own) caps its context; ``quantization`` "fp8" quantizes
-    a 16-bit model's linear layers to FP8 (an FP8 checkpoint is FP8 either way)."""
+    a 16-bit model's linear layers to FP8 (an FP8 checkpoint is FP8 either way). With a
+    ``tp`` group of several ranks, this rank's share of it (see CausalLM): the same weights,
+    checkpoint or preset, sliced."""
     from pdserve.models.quant_config import (
         AT_LOAD,
         check_quantization_flag,
@@ -57,9 +60,14 @@ def load_model(model: str, dtype: str, device: torch.device, seed: int = 0,
         # Fp8Linear holds one linear layer; stacked experts have no FP8 form yet.
         raise ConfigError(f"--model {model}: FP8 weights are not supported for "
                           "mixture-of-experts models yet; serve its 16-bit checkpoint")
+    if is_parallel(tp) and (config.num_experts or scheme is not None or quantization == "fp8"):
+        # Neither stacked experts nor Fp8Linear (with its block scales) are sharded yet.
+        raise ConfigError(f"--model {model}: tensor parallelism does not support "
+                          f"{'mixture-of-experts models' if config.num_experts else 'FP8 weights'}"
+                          " yet")
     torch_dtype = resolve_dtype(dtype, config)
     with torch.device("meta"):
-        net = CausalLM(config)
+        net = CausalLM(config, tp)
         # The dtype first, on meta: the device never holds a float32 copy of the weights
         # (FP8 layers after it, or .to() would convert them too).
         net = net.to(torch_dtype)
@@ -191,7 +199,13 @@ def _load_safetensors(net: CausalLM, model_dir: Path) -> None:
                     input_scales[name].copy_(torch.maximum(input_scales[name],
                                                            tensor.float().reshape(1)))
                     continue
-                target = slot.target(params[name])
+                owner = _sharded_owner(net, name)
+                if owner is not None:   # this rank's part of the tensor, where it goes in ours
+                    dim, offset, tensor = owner.shard(name.rpartition(".")[2], tensor,
+                                                      slot.offset)
+                    target = params[name].narrow(dim, offset, tensor.shape[dim])
+                else:
+                    target = slot.target(params[name])
                 if name.endswith(".weight_scale"):
                     module = net.get_submodule(name.removesuffix(".weight_scale"))
                     tensor = fp8.scale_rows(module, key, tensor, target.shape[0])
@@ -213,21 +227,37 @@ def _load_safetensors(net: CausalLM, model_dir: Path) -> None:
 CPU_INIT_MAX_PARAMS = 200_000_000
 
 
+def _sharded_owner(net: CausalLM, param_name: str) -> Sharded | None:
+    """The tensor-parallel layer that holds ``param_name``, if it is one."""
+    owner = net.get_submodule(param_name.rpartition(".")[0])
+    return owner if isinstance(owner, Sharded) else None
+
+
 @torch.no_grad()
 def _init_random(net: CausalLM, seed: int) -> None:
     # A fixed order and seed: every process with the same preset gets the same weights.
     # Scales keep activations and logits O(1), so greedy choices are far from ties.
+    # A tensor-parallel rank draws each whole tensor and keeps its part: the same weights for
+    # any number of ranks.
     device = net.embed_tokens.weight.device
-    numel = sum(p.numel() for p in net.parameters())
+    shapes = {}
+    for name, param in net.named_parameters():
+        owner = _sharded_owner(net, name)
+        shapes[name] = (owner.full_shape(name.rpartition(".")[2]) if owner is not None
+                        else param.shape)
+    numel = sum(math.prod(shape) for shape in shapes.values())
     draw_on = torch.device("cpu") if numel <= CPU_INIT_MAX_PARAMS else device
     gen = torch.Generator(draw_on).manual_seed(seed)
     for name, param in sorted(net.named_parameters()):
         if "norm" in name:
             param.fill_(1.0)
             continue
-        values = torch.randn(param.shape, generator=gen, device=draw_on)
+        shape = shapes[name]
+        values = torch.randn(shape, generator=gen, device=draw_on)
         if name.endswith("bias"):
             values *= 0.1
         elif name != "embed_tokens.weight":
-            values /= math.sqrt(param.shape[-1])   # fan-in (experts are stacked: 3-D)
-        param.copy_(values)
+            values /= math.sqrt(shape[-1])   # fan-in (experts are stacked: 3-D)
+        owner = _sharded_owner(net, name)
+        param.copy_(owner.shard_full(name.rpartition(".")[2], values) if owner is not None
+                    else values)

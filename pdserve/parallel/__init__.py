@@ -1,0 +1,1 @@
+"""Model parallelism: tensor-parallel layers over a torch.distributed process group."""

@@ -1,0 +1,190 @@
+"""Tensor parallelism over 2 gloo ranks on the CPU gives what one process gives: the same
+prefill logits (float32 tolerance: the row-parallel sums add in another order) and the same
+greedy tokens, on every rank."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import save_file
+
+from pdserve.config import EngineConfig
+from pdserve.engine.batch import SeqInput
+from pdserve.engine.runner import ModelRunner
+from pdserve.engine.sampling import SampleRow, SamplingParams
+from pdserve.errors import ConfigError
+from pdserve.models.llama import CausalLM
+from pdserve.models.loader import load_model
+from pdserve.models.presets import PRESETS
+from pdserve.parallel.tensor import TPGroup
+
+RANKS = 2
+PROMPT_LEN, CHUNK, NEW_TOKENS = 23, 10, 8
+COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=256, rope_theta=10000.0, torch_dtype="float32")
+# Checkpoint folders (the loader slices each tensor); the preset draws its weights whole.
+FOLDERS = {
+    # MHA, every bias (column-, row-parallel), tied embeddings, a vocabulary of odd size (the
+    # last rank's slice padded).
+    "llama-biases-tied": dict(COMMON, architectures=["LlamaForCausalLM"], vocab_size=301,
+                              num_key_value_heads=4, attention_bias=True, mlp_bias=True,
+                              tie_word_embeddings=True),
+    # QK norm, 1 KV head for 2 ranks (replicated), an untied LM head.
+    "qwen3-1-kv-head": dict(COMMON, architectures=["Qwen3ForCausalLM"], vocab_size=300,
+                            num_key_value_heads=1, head_dim=16, tie_word_embeddings=False),
+}
+SHAPES = ["tiny", *FOLDERS]
+
+
+def write_checkpoint(folder: Path, cfg: dict) -> None:
+    """Random weights under Hugging Face's names (q/k/v and gate/up unfused)."""
+    gen = torch.Generator().manual_seed(3)
+    head_dim = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    hidden, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    if not cfg["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (vocab, hidden)
+    for i in range(cfg["num_hidden_layers"]):
+        layer = f"model.layers.{i}."
+        linears = {"self_attn.q_proj": (q, hidden), "self_attn.k_proj": (kv, hidden),
+                   "self_attn.v_proj": (kv, hidden), "self_attn.o_proj": (hidden, q),
+                   "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
+                   "mlp.down_proj": (hidden, inter)}
+        for name, shape in linears.items():
+            shapes[f"{layer}{name}.weight"] = shape
+            if cfg.get("attention_bias") and name.startswith("self_attn"):
+                shapes[f"{layer}{name}.bias"] = shape[:1]
+            if cfg.get("mlp_bias") and name.startswith("mlp"):
+                shapes[f"{layer}{name}.bias"] = shape[:1]
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            shapes[f"{layer}{norm}.weight"] = (hidden,)
+        if cfg["architectures"] == ["Qwen3ForCausalLM"]:
+            shapes[f"{layer}self_attn.q_norm.weight"] = (head_dim,)
+            shapes[f"{layer}self_attn.k_norm.weight"] = (head_dim,)
+    tensors = {}
+    for name, shape in shapes.items():
+        values = torch.randn(shape, generator=gen)
+        if "norm" in name:
+            values = 1 + 0.1 * values
+        elif len(shape) == 2:   # fan-in scale: logits O(1), greedy tokens varied
+            values /= shape[1] ** 0.5
+        else:
+            values *= 0.1
+        tensors[name] = values.contiguous()
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    save_file(tensors, str(folder / "model.safetensors"))
+
+
+def run_script(model: str, tp: TPGroup | None) -> dict[str, torch.Tensor]:
+    """Two prompts prefilled in one step, the second chunked (its prefix first, through the
+    paged pool), then NEW_TOKENS greedy tokens for both, decoded as one batch."""
+    runner = ModelRunner(EngineConfig(model=model, device="cpu", page_size=4, num_pages=64,
+                                      attention_backend="torch", torch_threads=1),
+                         "prefill", tp=tp)
+    vocab = runner.model_config.vocab_size
+    prompts = torch.randint(0, vocab, (2, PROMPT_LEN),
+                            generator=torch.Generator().manual_seed(1)).tolist()
+    pages = [runner.pool.allocator.alloc(runner.pool.pages_for(PROMPT_LEN + NEW_TOKENS))
+             for _ in prompts]
+    greedy = [SampleRow(SamplingParams(), 0), SampleRow(SamplingParams(), 0)]
+    first = runner.forward([SeqInput(prompts[0], 0, pages[0]),
+                            SeqInput(prompts[1][:CHUNK], 0, pages[1])])
+    rest = runner.forward([SeqInput(prompts[1][CHUNK:], CHUNK, pages[1])])
+    logits = torch.stack([first[0], rest[0]])
+    tokens = [[int(logits[0].argmax())], [int(logits[1].argmax())]]
+    for step in range(NEW_TOKENS - 1):
+        seqs = [SeqInput([out[-1]], PROMPT_LEN + step, page_ids)
+                for out, page_ids in zip(tokens, pages)]
+        for out, token in zip(tokens, runner.step(seqs, greedy).tokens):
+            out.append(token)
+    return {"prefill_logits": logits, "chunk_logits": first[1], "tokens": torch.tensor(tokens),
+            "kv_heads": torch.tensor(runner.pool.layout.num_kv_heads)}
+
+
+def _rank_main(rank: int, port: int, models: dict[str, str], out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=RANKS)
+    try:
+        tp = TPGroup(rank, RANKS)
+        results = {shape: run_script(model, tp) for shape, model in models.items()}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> tuple[dict, list[dict]]:
+    """(one process's results, each rank's) for every shape."""
+    root = tmp_path_factory.mktemp("tp")
+    models = {"tiny": "tiny"}
+    for shape, cfg in FOLDERS.items():
+        write_checkpoint(root / shape, cfg)
+        models[shape] = str(root / shape)
+    mp.spawn(_rank_main, args=(_free_port(), models, str(root)), nprocs=RANKS, join=True)
+    threads = torch.get_num_threads()
+    try:
+        single = {shape: run_script(model, None) for shape, model in models.items()}
+    finally:
+        torch.set_num_threads(threads)
+    return single, [torch.load(root / f"rank{r}.pt") for r in range(RANKS)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_prefill_logits_on_every_rank_match_one_process(results, shape):
+    single, ranks = results
+    for rank in ranks:
+        for key in ("prefill_logits", "chunk_logits"):
+            torch.testing.assert_close(rank[shape][key], single[shape][key], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_greedy_tokens_on_every_rank_match_one_process(results, shape):
+    single, ranks = results
+    for rank in ranks:
+        assert rank[shape]["tokens"].tolist() == single[shape]["tokens"].tolist()
+
+
+def test_each_rank_pools_its_own_kv_heads(results):
+    single, ranks = results
+    # 2 KV heads: one per rank; 4: two per rank; 1: the same one on both ranks.
+    expected = {"tiny": (2, 1), "llama-biases-tied": (4, 2), "qwen3-1-kv-head": (1, 1)}
+    for shape, (all_heads, per_rank) in expected.items():
+        assert int(single[shape]["kv_heads"]) == all_heads
+        assert [int(rank[shape]["kv_heads"]) for rank in ranks] == [per_rank] * RANKS
+
+
+def test_heads_that_do_not_split_over_the_ranks_are_refused():
+    with torch.device("meta"), pytest.raises(ValueError, match="attention heads divisible by 3"):
+        CausalLM(PRESETS["tiny"], TPGroup(0, 3))
+
+
+def test_kv_heads_that_do_not_split_over_the_ranks_are_refused():
+    tiny = PRESETS["tiny"]
+    with torch.device("meta"), pytest.raises(ValueError, match="KV heads divisible by 2"):
+        CausalLM(replace(tiny, num_heads=6, num_kv_heads=3), TPGroup(0, 2))
+    with torch.device("meta"), pytest.raises(ValueError, match="multiple of 3 ranks"):
+        CausalLM(replace(tiny, num_heads=12, num_kv_heads=3), TPGroup(0, 4))
+
+
+@pytest.mark.parametrize("model, quantization, refused", [
+    ("tiny-moe", "", "mixture-of-experts"), ("tiny", "fp8", "FP8 weights")])
+def test_mixture_of_experts_and_fp8_are_refused(model, quantization, refused):
+    with pytest.raises(ConfigError, match=f"tensor parallelism does not support {refused}"):
+        load_model(model, "float32", torch.device("cpu"), quantization=quantization,
+                   tp=TPGroup(0, 2))
