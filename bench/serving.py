@@ -660,11 +660,12 @@ COMPARED = (("request_throughput_rps", "req/s", "request_throughput_rps", None),
 
 def goodput_at(run: dict[str, Any], ttft_ms: float | None, tpot_ms: float | None) -> float | None:
     """Requests/s of ``run`` that met both limits (a request without a TPOT: its TTFT alone)."""
-    if ttft_ms is None or tpot_ms is None or not run["wall_s"]:
+    if ttft_ms is None or tpot_ms is None or not run["completed"]:
         return None
     met = sum(1 for ttft_s, tpot_s in run["_latencies"]
               if ttft_s * 1e3 <= ttft_ms and (tpot_s is None or tpot_s * 1e3 <= tpot_ms))
-    return round(met / run["wall_s"], 3)
+    # the share that met them of what was served: the same wall time as the throughput's
+    return round((run["request_throughput_rps"] or 0) * met / run["completed"], 3)
 
 
 def compare(targets: list[dict[str, Any]]) -> dict[str, Any]:
