@@ -5,6 +5,7 @@ back."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 import uuid
 import random
 
@@ -16,7 +17,7 @@ from decode_service.scheduler import DecodeLoop, DecodeRequest
 from pdserve.engine import local
 from pdserve.engine.batch import SeqInput
 from pdserve.engine.decode_steps import DecodeSteps
-from pdserve.engine.gpu_share import PrefillActivity, PrefillWatch
+from pdserve.engine.gpu_share import PrefillActivity, PrefillWatch, share_dir
 from pdserve.metrics import DecodeMetrics
 from pdserve.sampling_params import SamplingParams, sample_row
 
@@ -180,3 +181,4 @@ def test_decode_holds_back_only_while_a_prefill_step_runs_on_its_gpu(tiny_runner
     finally:
         watch.close()
         activity.close()
+        shutil.rmtree(share_dir(gpu), ignore_errors=True)

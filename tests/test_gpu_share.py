@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
 import uuid
+
+import pytest
 
 from pdserve.engine.gpu_share import SLOT, STALE_S, PrefillActivity, PrefillWatch, share_dir
 
@@ -41,49 +44,54 @@ def _tell(process: subprocess.Popen, command: str) -> None:
     assert process.stdout.readline().strip() == "ok"
 
 
-def test_decode_sees_another_process_s_prefill_step_while_it_runs():
-    gpu = f"test-{uuid.uuid4()}"
-    writer = _writer(gpu)
-    watch = PrefillWatch(gpu)
-    try:
-        _tell(writer, "_publish")
-        watch._scanned_at = -1e9          # look for writers now, not within a second
-        assert not watch.busy()
-        _tell(writer, "launch")
-        _tell(writer, "launch")          # overlap: the next step before the last has run
-        assert watch.busy()
-        _tell(writer, "finish")
-        assert watch.busy()
-        _tell(writer, "finish")
-        assert not watch.busy()
-        _tell(writer, "close")
-        watch._scanned_at = -1e9
-        assert not watch.busy() and not watch._maps
-    finally:
-        writer.kill()
-        writer.wait()
-        watch.close()
+@pytest.fixture
+def gpu():
+    """A GPU name of this test's own; its slot folder is removed afterwards."""
+    name = f"test-{uuid.uuid4()}"
+    yield name
+    shutil.rmtree(share_dir(name), ignore_errors=True)
 
 
-def test_a_writer_killed_mid_step_stops_holding_decode_back():
-    gpu = f"test-{uuid.uuid4()}"
-    writer = _writer(gpu)
-    watch = PrefillWatch(gpu)
-    try:
-        _tell(writer, "launch")
-        watch._scanned_at = -1e9
-        assert watch.busy()
-        writer.kill()
-        writer.wait()
-        watch._scanned_at = -1e9          # the next rescan finds the process gone
-        assert not watch.busy()
-        assert not list(share_dir(gpu).glob("prefill-*"))
-    finally:
-        watch.close()
+@pytest.fixture
+def writer_and_watch(gpu):
+    """A prefill process's slot writer, driven by _tell, and a decode side's watch."""
+    writer, watch = _writer(gpu), PrefillWatch(gpu)
+    yield writer, watch
+    writer.kill()
+    writer.wait()
+    watch.close()
 
 
-def test_a_slot_unchanged_for_longer_than_any_step_is_ignored():
-    gpu = f"test-{uuid.uuid4()}"
+def test_decode_sees_another_process_s_prefill_step_while_it_runs(writer_and_watch):
+    writer, watch = writer_and_watch
+    _tell(writer, "_publish")
+    watch._scanned_at = -1e9          # look for writers now, not within a second
+    assert not watch.busy()
+    _tell(writer, "launch")
+    _tell(writer, "launch")          # overlap: the next step before the last has run
+    assert watch.busy()
+    _tell(writer, "finish")
+    assert watch.busy()
+    _tell(writer, "finish")
+    assert not watch.busy()
+    _tell(writer, "close")
+    watch._scanned_at = -1e9
+    assert not watch.busy() and not watch._maps
+
+
+def test_a_writer_killed_mid_step_stops_holding_decode_back(gpu, writer_and_watch):
+    writer, watch = writer_and_watch
+    _tell(writer, "launch")
+    watch._scanned_at = -1e9
+    assert watch.busy()
+    writer.kill()
+    writer.wait()
+    watch._scanned_at = -1e9          # the next rescan finds the process gone
+    assert not watch.busy()
+    assert not list(share_dir(gpu).glob("prefill-*"))
+
+
+def test_a_slot_unchanged_for_longer_than_any_step_is_ignored(gpu):
     activity = PrefillActivity(gpu)
     watch = PrefillWatch(gpu)
     try:
