@@ -34,7 +34,7 @@ from pdserve.errors import TransferFailed
 
 if TYPE_CHECKING:
     from pdserve.metrics import PrefillMetrics
-    from prefill_service.scheduler import PrefillTask
+    from prefill_service.task import PrefillTask
 
 log = logging.getLogger(__name__)
 

@@ -15,72 +15,43 @@ collected: the GPU runs step n while the host prepares and launches step n+1, an
 n's first tokens afterwards. A step's inputs never depend on the step before's outputs (a
 prompt's next chunk attends to KV that the earlier step writes first, in stream order), so the
 tokens are exactly those of one step at a time.
+
+The loop runs on its own thread, as the decode loop does (pdserve.engine.step_loop): prompts,
+cancels and frees come in through a queue; what a step ends (hand-offs to start, failures,
+pages to free once their writes settle) goes to the event loop in one callback. The event loop
+owns each prompt's caller, lease and hand-off; the thread owns the queue, the pages and the
+steps, so no gRPC work sits between two prefill steps.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from kv_transfer.base import PageWrite
 from kv_transfer.link import DecodeLinks
 from pdserve.config import LOF_AGING_S, SCHEDULE_POLICIES
 from pdserve.engine.batch import SeqInput
 from pdserve.engine.gpu_share import PrefillActivity
-from pdserve.engine.launched_step import LaunchedStep
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.step_loop import Overlap, StepThread, StepTimer
 from pdserve.errors import InvalidRequest, Overloaded
-from pdserve.kvcache.prefix_pages import PrefixPages, PromptPages
+from pdserve.kvcache.prefix_pages import PrefixPages
 from pdserve.metrics import PrefillMetrics
-from pdserve.sampling_params import SamplingParams, sample_row
-from prefill_service.handoff import Handoff, Handoffs
+from pdserve.sampling_params import sample_row
+from prefill_service.handoff import Handoffs
 from prefill_service.leases import LeaseKeeper
+from prefill_service.task import PrefillStep, PrefillTask, StepOutput
 
 log = logging.getLogger(__name__)
-PROFILER_CLOSE_S = 30.0   # shutdown waits this long for the step thread to write a trace
+PROFILER_CLOSE_S = 30.0   # shutdown waits this long for the loop thread to write a trace
 
 
-@dataclass(eq=False)
-class PrefillTask:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    handoff: Handoff
-    output_offset: int = 0                         # index of the token to sample
-    result: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-    pages: list[int] = field(default_factory=list)
-    page_set: PromptPages | None = None            # what owns those pages
-    computed: int = 0                              # prompt tokens already in the pool
-    scheduled: int = 0                             # ... or in a step launched or planned
-    started: bool = False                          # a step has taken some of its tokens
-    aborted: bool = False
-    transfer: asyncio.Task | None = None           # the hand-off after the last step
-    enqueued_at: float = field(default_factory=time.monotonic)
-
-    @property
-    def remaining(self) -> int:
-        return len(self.prompt_ids) - self.computed
-
-    @property
-    def unscheduled(self) -> int:
-        """Prompt tokens no step has taken yet."""
-        return len(self.prompt_ids) - self.scheduled
-
-
-@dataclass(eq=False)
-class PrefillStep:
-    """One step from its plan to its collected first tokens."""
-
-    plan: list[tuple[PrefillTask, int]]            # each task and the prompt tokens it computes
-    writes: list[PageWrite]                        # layer-wise hand-offs riding along
-    launched: LaunchedStep | None = None
-    tokens: list[int] | None = None                # one per task; None if the step failed
-    error: Exception | None = None
-    launched_at: float = 0.0
+_STOP = object()
+_ADD, _ABORT, _FREE = object(), object(), object()   # commands to the loop thread
 
 
 class PrefillScheduler:
@@ -102,14 +73,20 @@ class PrefillScheduler:
         self.max_queued = max_queued
         self.metrics = metrics
         self.activity = activity     # tells decode workers on this GPU when a step runs
+        # The event loop's side.
+        self.handoffs = Handoffs(metrics, self._free_soon)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+        self._submitted = 0                             # prompts handed to the loop thread
+        # The loop thread's side.
+        self._taken = 0                                 # ... that have left its queue
         self._waiting: deque[PrefillTask] = deque()    # no pages yet
         self._running: list[PrefillTask] = []           # pages held, prompt not done
         self._in_flight: list[PrefillStep] = []        # planned, not yet finished (two at most)
+        self._output = StepOutput()
         self._overlap: Overlap[PrefillStep] = Overlap(overlap)
         self._timer = StepTimer(metrics.step_duration)
-        self._thread = StepThread("prefill-step")
-        self._wake = asyncio.Event()
-        self.handoffs = Handoffs(metrics, self._free)
+        self._thread = StepThread("prefill-loop")
         self.pages = PrefixPages(self.pool.allocator, self.pool.page_size, prefix_cache,
                                  on_evict=metrics.cache_evicted_pages.inc)
         metrics.watch_pool(self.pool.allocator, lambda: self.pages.held_pages)
@@ -126,7 +103,8 @@ class PrefillScheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        """Prompts handed to the loop that no step has taken yet."""
+        return self._submitted - self._taken
 
     @property
     def _in_step(self) -> set[PrefillTask]:
@@ -136,7 +114,21 @@ class PrefillScheduler:
     @property
     def queued_tokens(self) -> int:
         """Prompt tokens not yet computed, of prompts waiting or running."""
-        return sum(t.remaining for t in self._waiting) + sum(t.remaining for t in self._running)
+        # Copies first: the loop thread changes them meanwhile.
+        return (sum(t.remaining for t in list(self._waiting))
+                + sum(t.remaining for t in list(self._running)))
+
+    # The event loop's side.
+    async def run(self) -> None:
+        """Runs the loop on its thread until cancelled; raises what ended the loop (a bug)."""
+        self._event_loop = asyncio.get_running_loop()
+        lease_task = self._event_loop.create_task(self.leases.run())
+        try:
+            await self._thread.run(self._run)
+        finally:
+            lease_task.cancel()
+            self._commands.put(_STOP)
+            self._thread.stop()
 
     async def submit(self, task: PrefillTask) -> int:
         """Runs a prompt to its first token, KV committed at the target; returns the token."""
@@ -144,16 +136,16 @@ class PrefillScheduler:
         if needed > self.pool.allocator.total:
             raise InvalidRequest(f"prompt of {len(task.prompt_ids)} tokens needs {needed} KV pages; "
                                  f"the prefill pool has {self.pool.allocator.total}")
-        if len(self._waiting) >= self.max_queued:
-            raise Overloaded(f"prefill queue full: {len(self._waiting)} prompts already wait "
+        if self.num_waiting >= self.max_queued:
+            raise Overloaded(f"prefill queue full: {self.num_waiting} prompts already wait "
                              "(--max-queued-requests)")
-        self._waiting.append(task)
         task.handoff.link_ahead()
         target = task.handoff.target
         self.leases.hold(target.address, target.request_id, lambda: self.abort(task, Overloaded(
             f"request {task.request_id}: its decode reservation expired before its prompt "
             "was computed")))
-        self._wake.set()
+        self._submitted += 1
+        self._commands.put((_ADD, task))
         try:
             return await asyncio.shield(task.result)
         finally:
@@ -165,48 +157,132 @@ class PrefillScheduler:
         """Drops ``task`` wherever it is, freeing its pages once nothing reads them; its
         caller gets ``error`` (or a cancellation)."""
         task.aborted = True
-        if task in self._waiting:
-            self._waiting.remove(task)
-        if task in self._running:
-            self._running.remove(task)
-            if task not in self._in_step:
-                self.handoffs.release(task)
         if task.transfer is not None:
             task.transfer.cancel()  # its done callback frees the pages, started or not
+        else:                       # the loop thread may hold it
+            self._commands.put((_ABORT, task))
         if not task.result.done():
             if error is None:
                 task.result.cancel()
             else:
                 task.result.set_exception(error)
 
-    async def run(self) -> None:
-        lease_task = asyncio.get_running_loop().create_task(self.leases.run())
-        try:
-            await self._loop()
-        finally:
-            lease_task.cancel()
+    def _deliver(self, output: StepOutput) -> None:
+        for task, error in output.failed:
+            if not task.result.done():
+                task.result.set_exception(error)
+        for task, token in output.handoffs:
+            if task.aborted:        # aborted while its last step ran
+                self.handoffs.release(task)
+            else:
+                self.handoffs.start(task, token)
+        for task in output.releases:
+            self.handoffs.release(task)
 
-    async def _loop(self) -> None:
-        while True:
+    def _free_soon(self, task: PrefillTask) -> None:
+        """The hand-off is done with the task's pages: the loop thread frees them."""
+        self._commands.put((_FREE, task))
+
+    def _to_loop(self, callback: Callable[[], None]) -> None:
+        assert self._event_loop is not None
+        self._event_loop.call_soon_threadsafe(callback)
+
+    def _hand_over(self) -> None:
+        """From the loop thread: what the step produced goes to the event loop, in one callback."""
+        if self._output:
+            output, self._output = self._output, StepOutput()
+            self._to_loop(lambda: self._deliver(output))
+
+    async def shutdown(self) -> None:
+        self.handoffs.close()
+        self._commands.put(_STOP)
+        # The loop ends after any step in flight (a trace being taken is written).
+        ended = await asyncio.get_running_loop().run_in_executor(
+            None, self._thread.stop, PROFILER_CLOSE_S)
+        if not ended:
+            log.warning("the prefill loop did not stop within %g s", PROFILER_CLOSE_S)
+        if self.activity is not None:
+            self.activity.close()
+        await self.links.close()
+
+    # The loop thread's side.
+    def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self.runner.profiler.close()
+
+    def _loop(self) -> None:
+        idle = False
+        while self._take_commands(block=idle):
             self._admit()
             self._publish_load()
             step = self._plan_step()
-            if step is None and self._overlap.in_flight is None:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            collected = await self._launch_and_collect(step)
-            if collected is not None:
-                self._finish_step(collected)
+            idle = step is None and self._overlap.in_flight is None
+            if not idle:
+                collected = self._overlap.launch_then_collect(
+                    step, lambda s: self._launch(s, self._to_loop), self._collect)
+                if collected is not None:
+                    self._finish_step(collected)
+            self._hand_over()
+
+    def _take_commands(self, block: bool) -> bool:
+        """New prompts, cancels and frees; waits for one while there is nothing to do (or
+        until a waiting prompt's --max-queue-wait-s runs out). False once the loop must stop."""
+        timeout = self._next_expiry() if block else None
+        while True:
+            try:
+                command = self._commands.get(block=block, timeout=timeout)
+            except queue.Empty:
+                return True
+            block = False
+            if command is _STOP:
+                return False
+            kind, task = command
+            if kind is _ADD and task.aborted:   # aborted before the loop took it in
+                self._taken += 1
+            elif kind is _ADD:
+                self._waiting.append(task)
+            elif kind is _ABORT:
+                self._drop(task)
+            else:
+                self._free(task)
+
+    def _next_expiry(self) -> float | None:
+        if self.max_queue_wait_s <= 0 or not self._waiting:
+            return None
+        oldest = min(t.enqueued_at for t in self._waiting)
+        return max(0.0, oldest + self.max_queue_wait_s - time.monotonic()) + 0.001
+
+    def _drop(self, task: PrefillTask) -> None:
+        """An aborted prompt leaves the loop: its pages are freed once no step writes them."""
+        if task in self._waiting:
+            self._waiting.remove(task)
+            self._taken += 1
+        elif task in self._running:
+            self._running.remove(task)
+            if task not in self._in_step:
+                self._release(task)
+
+    def _release(self, task: PrefillTask) -> None:
+        """Frees the task's pages now, or once no layer-wise write reads them."""
+        write = task.handoff.write
+        if write is None or write.done:
+            self._free(task)
+        else:
+            self._output.releases.append(task)
 
     def _admit(self) -> None:
         now = time.monotonic()
         # Without a cap a prompt waits while its caller's deadline allows (gRPC ends it then).
         limit_s = self.max_queue_wait_s
         for task in [t for t in self._waiting if limit_s > 0 and now - t.enqueued_at > limit_s]:
-            self.abort(task, Overloaded(
+            self._waiting.remove(task)
+            self._taken += 1
+            task.aborted = True
+            self._output.failed.append((task, Overloaded(
                 f"prefill queue: a prompt waited --max-queue-wait-s {limit_s:g} s without "
-                "starting"))
+                "starting")))
         if self.policy == "lof" and len(self._waiting) > 1:
             self._waiting = deque(sorted(self._waiting, key=lambda t: _lof_key(t, now)))
         # Only what the next step can take: a prompt admitted later may find its prefix
@@ -226,6 +302,7 @@ class PrefillScheduler:
             task.computed = task.scheduled = page_set.cached_tokens
             self.metrics.cache_hit_tokens.inc(page_set.cached_tokens)
             self._running.append(task)
+            self._taken += 1
             budget -= task.unscheduled
         self._waiting.extendleft(reversed(deferred))
 
@@ -276,13 +353,6 @@ class PrefillScheduler:
         self._in_flight.append(step)
         return step
 
-    async def _launch_and_collect(self, step: PrefillStep | None) -> PrefillStep | None:
-        """On the step thread: launches ``step``, then waits for the tokens of the step before
-        it (of ``step`` itself without overlap); returns the step collected."""
-        to_loop = asyncio.get_running_loop().call_soon_threadsafe
-        return await self._thread.run(lambda: self._overlap.launch_then_collect(
-            step, lambda launched: self._launch(launched, to_loop), self._collect))
-
     def _launch(self, step: PrefillStep, to_loop: Callable[[Callable[[], None]], object]) -> None:
         """On the step's thread; ``to_loop`` runs a callback on the event loop (the writes'
         reports that they are on their way)."""
@@ -321,13 +391,13 @@ class PrefillScheduler:
         for (task, taken), token in zip(step.plan, step.tokens or [None] * len(step.plan)):
             if token is None and not task.aborted:
                 task.aborted = True
-                if not task.result.done():
-                    task.result.set_exception(step.error or RuntimeError("prefill step failed"))
+                self._output.failed.append(
+                    (task, step.error or RuntimeError("prefill step failed")))
             if task.aborted:
                 if task in self._running:
                     self._running.remove(task)
                 if task not in later:  # else that step's collection frees them
-                    self.handoffs.release(task)
+                    self._release(task)
                 continue
             task.computed += taken
             self.metrics.computed_tokens.inc(taken)
@@ -337,29 +407,16 @@ class PrefillScheduler:
             if task.remaining == 0:
                 self._running.remove(task)
                 self.metrics.prompt_tokens.inc(len(task.prompt_ids))
-                self.handoffs.start(task, token)
+                self._output.handoffs.append((task, token))
 
     def _free(self, task: PrefillTask) -> None:
-        """Frees the task's pages now (its hand-offs call it once no write reads them)."""
+        """Frees the task's pages now (waiting prompts may fit: the loop admits them next)."""
         if task.page_set is not None and not task.page_set.released:
             task.pages = []
             self.pages.release(task.page_set)
-            self._wake.set()  # waiting prompts may fit now
 
     def _publish_load(self) -> None:
         self.metrics.set_load(self.num_running, self.num_waiting)
-
-    async def shutdown(self) -> None:
-        self.handoffs.close()
-        # On the step thread, after any step in flight (a trace being taken is written).
-        try:
-            await asyncio.wait_for(self._thread.run(self.runner.profiler.close), PROFILER_CLOSE_S)
-        except asyncio.TimeoutError:
-            log.warning("the step thread did not stop within %g s", PROFILER_CLOSE_S)
-        self._thread.stop()
-        if self.activity is not None:
-            self.activity.close()
-        await self.links.close()
 
 
 def _lof_key(task: PrefillTask, now: float) -> tuple[int, int, float]:

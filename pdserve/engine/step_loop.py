@@ -1,14 +1,10 @@
 """What the prefill and the decode loop share: the thread their steps run on, launching a step
 before collecting the one ahead of it, and the clock of their steps.
 
-Both loops are admit -> plan -> launch (and collect the step before) -> process. A step's GPU
-work (its launch, its collection, the profiler's trace) runs on the worker's StepThread, so the
-event loop keeps serving gRPC while the host waits for the GPU. What runs the rest of the loop
-differs by what the loop touches: prefill's loop is a coroutine on the event loop that hands the
-thread one launch-and-collect per step, because its prompts' hand-offs, leases and results are
-the event loop's; decode hands the thread its whole loop, because its requests are the thread's
-alone (they come in through a queue and leave in one callback per step), so no gRPC work sits
-between two decode steps.
+Both loops are admit -> plan -> launch (and collect the step before) -> process, and both run
+whole on their worker's StepThread, so the event loop keeps serving gRPC while the host waits for
+the GPU and no gRPC work sits between two steps. Requests, cancels and frees reach a loop through
+a queue it reads between steps; what a step produced leaves in one callback onto the event loop.
 """
 from __future__ import annotations
 
