@@ -222,6 +222,12 @@ class RouterMetrics(RoleMetrics):
                                  "Time from request to its first token", buckets=LATENCY_BUCKETS_S)
         self.itl = self._metric(Histogram, "pdserve_inter_token_latency_seconds",
                                 "Time between tokens of a stream", buckets=TOKEN_LATENCY_BUCKETS_S)
+        self.first_token_phase = self._metric(
+            Histogram, "pdserve_first_token_phase_seconds",
+            "Where a first token's time goes, per worker pair tried: reserve (the decode "
+            "worker's Reserve, waiting for KV pages included), prefill (the Prefill call: "
+            "queue, prompt steps and the KV hand-off)", extra=("phase",),
+            buckets=TOKEN_LATENCY_BUCKETS_S)
         self.e2e = self._metric(Histogram, "pdserve_request_duration_seconds",
                                 "End-to-end request latency", buckets=LATENCY_BUCKETS_S)
         self.tpot = self._metric(Histogram, "pdserve_time_per_output_token_seconds",

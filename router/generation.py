@@ -211,6 +211,7 @@ class Generation:
     async def _prefill(self, pair: PairAttempt, remaining: Remaining) -> int:
         """Reserve and prefill on ``pair``; returns the first token. Raises RetryElsewhere for
         a failure another pair may not have."""
+        started = time.monotonic()
         try:
             reserved = await pair.reserve(remaining())
         except grpc.aio.AioRpcError as err:
@@ -218,8 +219,12 @@ class Generation:
                 raise upstream(err, pair.decode) from err
             raise RetryElsewhere(upstream(err, pair.decode), pair.decode.address) from err
         try:
+            reserved_at = time.monotonic()
+            self.metrics.first_token_phase.labels("reserve").observe(reserved_at - started)
             with self.workers.track(pair.prefill):
-                return await pair.run_prefill(reserved, remaining())
+                first_token = await pair.run_prefill(reserved, remaining())
+            self.metrics.first_token_phase.labels("prefill").observe(time.monotonic() - reserved_at)
+            return first_token
         except grpc.aio.AioRpcError as err:
             if err.code() not in RETRYABLE:
                 raise upstream(err, pair.prefill) from err

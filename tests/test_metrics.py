@@ -45,6 +45,9 @@ def test_every_process_exports_its_metrics(cluster):
     prefill = _scrape(cluster.metrics_urls["prefill0"])
     decode = _scrape(cluster.metrics_urls["decode0"])
     assert _sum(router, "pdserve_time_to_first_token_seconds_count") >= 1
+    for phase in ("reserve", "prefill"):
+        assert sum(v for k, v in router.items() if k.startswith(
+            "pdserve_first_token_phase_seconds_count{") and f"phase={phase}" in k) >= 1
     assert _sum(router, "pdserve_inter_token_latency_seconds_count") >= 5
     assert _sum(router, "pdserve_time_per_output_token_seconds_count") >= 1
     assert _sum(router, "pdserve_requests_within_slo_total") >= 1   # no targets: all count
