@@ -49,9 +49,27 @@ def check_engine(config: EngineConfig) -> None:
     kv_cache_gib(config.kv_cache_gb)
     check_kv_cache_dtype(config)
     parse_steps(config.profile_steps)
+    check_tensor_parallel(config)
     if not 0 < config.gpu_memory_utilization <= 1:
         raise ConfigError(f"--gpu-memory-utilization {config.gpu_memory_utilization}: must be "
                           "in (0, 1]")
+
+
+def check_tensor_parallel(config: EngineConfig) -> None:
+    """Several ranks run on the CPU (gloo) for now."""
+    size = config.tensor_parallel_size
+    if size < 1:
+        raise ConfigError(f"--tensor-parallel-size {size}: give a number of ranks, 1 or more")
+    if size == 1:
+        return
+    on_cpu = config.device == "cpu"
+    if config.device == "auto":
+        import torch
+
+        on_cpu = not torch.cuda.is_available()
+    if not on_cpu:
+        raise ConfigError(f"--tensor-parallel-size {size}: ranks run on the CPU for now "
+                          "(--device cpu); on CUDA use 1")
 
 
 def check_kv_cache_dtype(config: EngineConfig) -> None:
@@ -89,6 +107,10 @@ def nixl_installed() -> bool:
 
 def check_kv_transfer(config: DecodeConfig) -> None:
     """The engine is installed and usable where the decode pool is (argparse checks the name)."""
+    if config.engine.tensor_parallel_size > 1:
+        raise ConfigError(f"--tensor-parallel-size {config.engine.tensor_parallel_size}: "
+                          "decode workers run one rank for now (prefill workers may run "
+                          "several)")
     engine = config.kv_transfer
     if engine == "nixl" and not nixl_installed():
         raise ConfigError("--kv-transfer nixl: NIXL is not installed (pip install "

@@ -15,6 +15,7 @@ from pdserve.engine.runner import ModelRunner
 from pdserve.errors import InvalidRequest, NotPermitted, PdserveError
 from pdserve.grpc_util import map_errors
 from pdserve.metrics import PrefillMetrics
+from pdserve.parallel.ranks import RankedRunner, check_splits
 from pdserve.models.source import local_model, served_name, source_config
 from pdserve.preflight import check_prefill
 from pdserve.proto_convert import sampling_from_proto, worker_info
@@ -97,8 +98,11 @@ async def serve(config: PrefillConfig) -> None:
     favour_step_thread()
     # Its pool holds at least a prompt of the longest context and a step: the prompt's pages
     # are all held until its hand-off, and a longer one than the pool is refused.
-    runner = ModelRunner(config.engine, "prefill", chunk_size,
-                         min_pool_tokens=model.max_model_len + chunk_size)
+    ranks = config.engine.tensor_parallel_size
+    if ranks > 1:
+        check_splits(model, ranks)
+    runner = (RankedRunner if ranks > 1 else ModelRunner)(
+        config.engine, "prefill", chunk_size, min_pool_tokens=model.max_model_len + chunk_size)
     if config.chunk_size == 0:
         page_size = runner.pool.page_size
         chunk_size = auto_chunk_size(model, runner.pool.allocator.total * page_size, page_size)
@@ -107,7 +111,10 @@ async def serve(config: PrefillConfig) -> None:
     server = make_server(config.server, identity)
     worker = worker_id(config.server, "prefill", server.port)
     metrics = PrefillMetrics(worker, served_name(config.engine))
-    links = DecodeLinks(runner.pool, config.transfer_timeout_s, identity, config.server.host)
+    # Several ranks hand off from rank 0's export pool, filled after each step: the one-sided
+    # engines, which read the pool as layers are computed, do not apply.
+    links = DecodeLinks(runner.pool, config.transfer_timeout_s, identity, config.server.host,
+                        engines=["grpc"] if ranks > 1 else None)
     gpu = gpu_uuid(runner.device)   # decode workers on this GPU yield while our steps run
     scheduler = PrefillScheduler(runner, links, chunk_size, config.max_queued_requests,
                                  metrics, layerwise=config.layerwise_transfer,
@@ -127,3 +134,5 @@ async def serve(config: PrefillConfig) -> None:
     finally:
         loop_task.cancel()
         await scheduler.shutdown()
+        if isinstance(runner, RankedRunner):
+            runner.close()
