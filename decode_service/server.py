@@ -20,7 +20,8 @@ from pdserve.engine.runner import ModelRunner
 from pdserve.errors import InvalidRequest, PdserveError, status_number
 from pdserve.grpc_util import Server, map_errors
 from pdserve.metrics import DecodeMetrics
-from pdserve.models.source import served_name
+from pdserve.models.source import local_model, served_name, source_config
+from pdserve.parallel.ranks import RankedDecodeSteps, RankedRunner, check_splits
 from pdserve.proto_convert import sampling_from_proto, worker_info
 from pdserve.sampling_params import SamplingParams, check_sampling, check_token_ids
 from pdserve.security import Identity
@@ -171,8 +172,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 async def serve(config: DecodeConfig) -> None:
     identity = Identity.from_config(config.server)
     favour_step_thread()
-    runner = ModelRunner(config.engine, "decode", config.max_running_requests)
-    steps = DecodeSteps(runner, config.max_running_requests)
+    if config.engine.tensor_parallel_size > 1:
+        check_splits(source_config(config.engine, local_model(config.engine)),
+                     config.engine.tensor_parallel_size)
+        runner = RankedRunner(config.engine, "decode", config.max_running_requests)
+        steps = RankedDecodeSteps(runner, config.max_running_requests)
+    else:
+        runner = ModelRunner(config.engine, "decode", config.max_running_requests)
+        steps = DecodeSteps(runner, config.max_running_requests)
     steps.warm_up()   # before SERVING: the first requests find every kernel built
     server = make_server(config.server, identity)
     worker = worker_id(config.server, "decode", server.port)
@@ -225,4 +232,6 @@ async def serve(config: DecodeConfig) -> None:
         loop_task.cancel()
         if await asyncio.to_thread(loop.shutdown):
             runner.pool.release()    # no step can use it any more
+        if isinstance(runner, RankedRunner):
+            runner.close()
 

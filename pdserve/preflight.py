@@ -107,10 +107,6 @@ def nixl_installed() -> bool:
 
 def check_kv_transfer(config: DecodeConfig) -> None:
     """The engine is installed and usable where the decode pool is (argparse checks the name)."""
-    if config.engine.tensor_parallel_size > 1:
-        raise ConfigError(f"--tensor-parallel-size {config.engine.tensor_parallel_size}: "
-                          "decode workers run one rank for now (prefill workers may run "
-                          "several)")
     engine = config.kv_transfer
     if engine == "nixl" and not nixl_installed():
         raise ConfigError("--kv-transfer nixl: NIXL is not installed (pip install "

@@ -1,6 +1,6 @@
-"""A prefill worker of several tensor-parallel ranks (gloo, one process each) serving a decode
-worker of one: the tokens are the single process's, every rank's pages come back, and a rank
-that dies takes its worker down in one line while the router finishes on the worker left."""
+"""Workers of several tensor-parallel ranks (gloo, one process each): prefill and decode of any
+rank counts hand off the single process's tokens, every page comes back, and a rank that dies
+takes its worker down in one line while the router finishes on the worker left."""
 from __future__ import annotations
 
 import os
@@ -9,8 +9,9 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
-from conftest import ENGINE_FLAGS, generate, start_roles
+from conftest import ENGINE_FLAGS, generate, pages_at_rest, start_roles
 
 from pdserve.engine import local
 from pdserve.sampling_params import SamplingParams
@@ -47,19 +48,48 @@ def test_prefill_over_ranks_hands_off_what_one_process_computes(ranks, tiny_runn
         cluster.stop()   # fails if a worker holds a page no request accounts for
 
 
-def test_a_dead_rank_stops_its_worker_and_the_router_finishes_elsewhere(tiny_runner):
-    cluster = start_roles(["prefill", "prefill", "decode"],
-                          worker_flags={"prefill0": ["--tensor-parallel-size", "2"]},
-                          worker_env={"prefill0": {}})
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_dead_rank_stops_its_worker_and_the_router_finishes_elsewhere(role, tiny_runner):
+    roles = ["prefill", "prefill", "decode"] if role == "prefill" else ["prefill", "decode",
+                                                                         "decode"]
+    name = f"{role}0"
+    cluster = start_roles(roles, worker_flags={name: ["--tensor-parallel-size", "2"]},
+                          worker_env={name: {}})
     try:
-        worker = cluster.processes["prefill0"]
+        worker = cluster.processes[name]
         (rank,) = _children(worker.pid)
         os.kill(rank, signal.SIGKILL)
         _assert_single_process_tokens(cluster, tiny_runner, "rank lost")
         assert worker.wait(60) == 1
-        last = cluster.stderr_of("prefill0").strip().splitlines()[-1]
-        assert last.startswith("pdserve: error: prefill: its engine loop ended (RankLost: a "
+        last = cluster.stderr_of(name).strip().splitlines()[-1]
+        assert last.startswith(f"pdserve: error: {role}: its engine loop ended (RankLost: a "
                                "tensor-parallel rank is gone")
+    finally:
+        cluster.stop()
+
+
+def test_cancelled_and_timed_out_requests_return_every_page_of_every_rank():
+    ranks = ["--tensor-parallel-size", "2"]
+    cluster = start_roles(["prefill", "decode"], prefill_flags=ranks, decode_flags=ranks)
+    long = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=list(b"x" * 40)),
+                                        sampling=generate_pb2.SamplingParams(
+                                            max_new_tokens=1500, ignore_eos=True), stream=True)
+    try:
+        call = cluster.stub().Generate(long, timeout=120)
+        received = 0
+        for response in call:
+            received += len(response.token_ids)
+            if received >= 5:   # mid-stream: decode holds its pages
+                assert cluster.worker_info_of("decode0").free_pages < \
+                    cluster.worker_info_of("decode0").total_pages
+                call.cancel()
+                break
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in cluster.stub().Generate(long, timeout=0.05):
+                pass
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        for name, info in cluster.wait_at_rest(["prefill0", "decode0"]).items():
+            assert pages_at_rest(info), (name, info)
     finally:
         cluster.stop()
 
@@ -71,11 +101,24 @@ def test_workers_refuse_ranks_they_cannot_run():
         assert done.returncode != 0
         return done.stderr.strip().splitlines()[-1]
 
-    assert refused("decode", "--tensor-parallel-size", "2") == (
-        "pdserve: error: --tensor-parallel-size 2: decode workers run one rank for now "
-        "(prefill workers may run several)")
+    assert refused("decode", "--tensor-parallel-size", "3") == (
+        "pdserve: error: --tensor-parallel-size 3: tensor parallelism over 3 ranks needs the "
+        "attention heads divisible by 3, but the model has 4")
     assert refused("prefill", "--tensor-parallel-size", "3") == (
         "pdserve: error: --tensor-parallel-size 3: tensor parallelism over 3 ranks needs the "
         "attention heads divisible by 3, but the model has 4")
     assert refused("prefill", "--tensor-parallel-size", "0") == (
         "pdserve: error: --tensor-parallel-size 0: give a number of ranks, 1 or more")
+
+
+@pytest.mark.parametrize(("prefill_ranks", "decode_ranks"), [(1, 2), (2, 2), (4, 2), (2, 4)])
+def test_prefill_and_decode_of_any_ranks_give_the_single_process_tokens(
+        prefill_ranks, decode_ranks, tiny_runner):
+    cluster = start_roles(["prefill", "decode"],
+                          prefill_flags=["--tensor-parallel-size", str(prefill_ranks)],
+                          decode_flags=["--tensor-parallel-size", str(decode_ranks)])
+    try:
+        _assert_single_process_tokens(cluster, tiny_runner, f"tp{prefill_ranks}x{decode_ranks}")
+        assert len(_children(cluster.processes["decode0"].pid)) == decode_ranks - 1
+    finally:
+        cluster.stop()

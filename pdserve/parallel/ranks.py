@@ -7,10 +7,12 @@ pages on every rank. Each step rank 0 broadcasts the step's inputs; every rank r
 forward (the row-parallel sums and the gathered logits are collectives among them), so every
 rank samples the same token and writes its heads of the same pages.
 
-A hand-off moves a prompt's KV with all its heads: after each step the ranks gather the heads of
-the pages it wrote into rank 0's export pool (the whole model's KV layout, sharing rank 0's
-page allocator), which the transfer engine reads. The decode side needs to know nothing of the
-prefill side's ranks.
+A hand-off moves a prompt's KV with all its heads, through rank 0's whole pool: a pool of the
+whole model's KV layout with the same pages, sharing rank 0's page allocator, which the transfer
+engines read (prefill) or write (decode). A prefill worker's ranks gather the heads of the pages
+each step wrote into it; a decode worker's ranks take their heads of a request's prompt pages
+from it as the request joins the batch. Neither side needs to know the other's ranks: any TP
+size hands off to any other.
 
 A rank that dies takes the worker down: rank 0's next collective fails and its loop ends (the
 worker exits, as on any engine loop failure), and the other ranks exit when rank 0 is gone.
@@ -35,6 +37,7 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.batch import SeqInput
+from pdserve.engine.decode_steps import DecodeSteps, StepPlan
 from pdserve.engine.launched_step import LaunchedStep
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampling import SampleRow
@@ -119,7 +122,7 @@ class RankedRunner:
         self.layout = layout = dataclasses.replace(self.local.layout,
                                                    num_kv_heads=self.model_config.num_kv_heads)
         # The whole model's KV of every page, for the hand-off; rank 0's allocator hands out
-        # its pages.
+        # its pages (every rank's).
         self.pool = KVPool(layout, self.local.pool.tensor.shape[2], self.local.pool.tensor.dtype,
                            self.device)
         self.pool.allocator = self.local.pool.allocator
@@ -176,6 +179,79 @@ class RankedRunner:
             if rank.poll() is not None:
                 return rank.returncode
         return None
+
+
+class RankedDecodeSteps:
+    """Rank 0's DecodeSteps of a tensor-parallel decode worker: every rank runs each step with
+    the same slots, so every rank samples the same tokens."""
+
+    def __init__(self, runner: RankedRunner, max_slots: int) -> None:
+        self.runner = runner
+        self.local = DecodeSteps(runner.local, max_slots)
+        self.slots = self.local.slots
+        self._released: list[int] = []
+        self._in_launch = False
+        release = self.slots.release
+
+        def released(slot: int) -> None:
+            # The other ranks release it before the next step; a join's own releases they
+            # make as they join.
+            if not self._in_launch:
+                self._released.append(slot)
+            release(slot)
+
+        self.slots.release = released  # type: ignore[method-assign]
+        with runner._lock:
+            runner._collective(lambda: _broadcast(runner.tp, ("decode_steps", max_slots)))
+
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        runner = self.runner
+
+        def step() -> LaunchedStep:
+            released, self._released = self._released, []
+            pages = _joined_pages(plan, runner.pool.page_size)
+            _broadcast(runner.tp, ("decode", plan, released, pages))
+            _scatter_pages(runner.tp, runner.pool, runner.local.pool, pages, runner.splits)
+            self._in_launch = True
+            try:
+                return self.local.launch(plan)
+            finally:
+                self._in_launch = False
+
+        with runner._lock:
+            return runner._collective(step)  # type: ignore[return-value]
+
+    def warm_up(self) -> None:
+        """Nothing to build on the CPU (the only device ranks run on for now)."""
+
+    def wait_idle(self) -> None:
+        self.local.wait_idle()
+
+
+def _joined_pages(plan: StepPlan, page_size: int) -> list[int]:
+    """The pages holding the prompts of the requests joining with ``plan``."""
+    return [page for join in plan.joins
+            for page in join.page_ids[:-(-join.position // page_size)]]
+
+
+def _scatter_pages(tp: TPGroup, whole: KVPool | None, local: KVPool, pages: list[int],
+                   splits: list[HeadSplit]) -> None:
+    """Each rank's heads of ``pages`` from rank 0's ``whole`` pool (None on other ranks)."""
+    import torch.distributed as dist
+
+    if not pages:
+        return
+    index = torch.tensor(pages, dtype=torch.long)
+    if whole is not None:
+        data = whole.tensor.index_select(2, index).contiguous()
+    else:
+        shape = list(local.tensor.shape)
+        shape[2] = len(pages)
+        shape[4] = splits[-1].kv_start + splits[-1].num_kv_heads   # the model's KV heads
+        data = torch.empty(shape, dtype=local.tensor.dtype)
+    dist.broadcast(data, src=0, group=tp.group)
+    split = splits[tp.rank]
+    local.tensor[:, :, index] = data[:, :, :, :, split.kv_start:split.kv_start + split.num_kv_heads]
 
 
 def _head_splits(model_config, size: int) -> list[HeadSplit]:  # noqa: ANN001
@@ -237,13 +313,25 @@ def _serve_rank(rank: int, size: int, port: int, parent: int) -> None:
     runner = ModelRunner(config, spec["role"], spec["step_tokens"], spec["min_pool_tokens"], tp=tp)
     splits = _head_splits(runner.model_config, size)
     _check_same_pages(tp, runner.pool.tensor.shape[2])
+    steps: DecodeSteps | None = None
     while True:
         command = _broadcast(tp, (None,))
         if command[0] == "stop":
             return
-        _, seqs, rows = command
-        runner.launch(seqs, rows).tokens()
-        _gather_pages(tp, runner.pool, _written_pages(seqs, runner.pool.page_size), None, splits)
+        if command[0] == "launch":       # a prefill step
+            _, seqs, rows = command
+            runner.launch(seqs, rows).tokens()
+            _gather_pages(tp, runner.pool, _written_pages(seqs, runner.pool.page_size), None,
+                          splits)
+        elif command[0] == "decode_steps":
+            steps = DecodeSteps(runner, command[1])
+        else:                            # a decode step
+            _, plan, released, pages = command
+            assert steps is not None
+            for slot in released:
+                steps.slots.release(slot)
+            _scatter_pages(tp, None, runner.pool, pages, splits)
+            steps.launch(plan).tokens()
 
 
 def _watch_parent(parent: int) -> None:
