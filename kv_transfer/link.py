@@ -128,10 +128,8 @@ class DecodeLinks:
     share one attempt, and a failed attempt is retried by the next request."""
 
     def __init__(self, pool: KVPool, timeout_s: float, identity: Identity | None = None,
-                 host: str = "", engines: list[str] | None = None) -> None:
-        """``engines``: those we offer (default: every one usable here)."""
+                 host: str = "") -> None:
         self.pool = pool
-        self.engines = engines
         self.identity = identity
         self.host = host              # where this process serves (engines that listen keep to it)
         self.timeout_s = timeout_s
@@ -169,7 +167,7 @@ class DecodeLinks:
         on_cuda = self.pool.tensor.device.type == "cuda"
         request = kv_transfer_pb2.HandshakeRequest(
             layout=layout_to_proto(self.pool.layout), host=host_identity(),
-            engines=self.engines or usable_engines(on_cuda), gpu_uuid=gpu_uuid(self.pool.tensor.device),
+            engines=usable_engines(on_cuda), gpu_uuid=gpu_uuid(self.pool.tensor.device),
             visible_gpu_uuids=visible_gpu_uuids() if on_cuda else [])
         try:
             reply = await stub.Handshake(request, timeout=self.timeout_s)

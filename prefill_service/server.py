@@ -111,10 +111,7 @@ async def serve(config: PrefillConfig) -> None:
     server = make_server(config.server, identity)
     worker = worker_id(config.server, "prefill", server.port)
     metrics = PrefillMetrics(worker, served_name(config.engine))
-    # Several ranks hand off from rank 0's export pool, filled after each step: the one-sided
-    # engines, which read the pool as layers are computed, do not apply.
-    links = DecodeLinks(runner.pool, config.transfer_timeout_s, identity, config.server.host,
-                        engines=["grpc"] if ranks > 1 else None)
+    links = DecodeLinks(runner.pool, config.transfer_timeout_s, identity, config.server.host)
     gpu = gpu_uuid(runner.device)   # decode workers on this GPU yield while our steps run
     scheduler = PrefillScheduler(runner, links, chunk_size, config.max_queued_requests,
                                  metrics, layerwise=config.layerwise_transfer,

@@ -111,12 +111,15 @@ def test_workers_refuse_ranks_they_cannot_run():
         "pdserve: error: --tensor-parallel-size 0: give a number of ranks, 1 or more")
 
 
-@pytest.mark.parametrize(("prefill_ranks", "decode_ranks"), [(1, 2), (2, 2), (4, 2), (2, 4)])
+@pytest.mark.parametrize(("prefill_ranks", "decode_ranks", "engine"),
+                         [(1, 2, "auto"), (2, 2, "auto"), (2, 2, "grpc"), (4, 2, "auto"),
+                          (2, 4, "grpc")])
 def test_prefill_and_decode_of_any_ranks_give_the_single_process_tokens(
-        prefill_ranks, decode_ranks, tiny_runner):
+        prefill_ranks, decode_ranks, engine, tiny_runner):
     cluster = start_roles(["prefill", "decode"],
                           prefill_flags=["--tensor-parallel-size", str(prefill_ranks)],
-                          decode_flags=["--tensor-parallel-size", str(decode_ranks)])
+                          decode_flags=["--tensor-parallel-size", str(decode_ranks),
+                                        "--kv-transfer", engine])
     try:
         _assert_single_process_tokens(cluster, tiny_runner, f"tp{prefill_ranks}x{decode_ranks}")
         assert len(_children(cluster.processes["decode0"].pid)) == decode_ranks - 1

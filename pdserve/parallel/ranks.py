@@ -147,7 +147,7 @@ class RankedRunner:
             launched = self.local.launch(seqs, rows, None, eager)
             _gather_pages(self.tp, self.local.pool, _written_pages(seqs, self.pool.page_size),
                           self.pool, self.splits)
-            if on_layer is not None:   # the export pool has every layer now
+            if on_layer is not None:   # layer-wise writes read the whole pool: it is full now
                 for layer in range(self.model_config.num_layers):
                     on_layer(layer)
             return launched
