@@ -288,3 +288,65 @@ def test_an_unsupported_quant_method_exits_2_in_one_line(tmp_path):
     folder = awq_folder(tmp_path)
     _one_line_error(_pdserve("up", "--model", str(folder)), "quant_method 'awq'")
     _one_line_error(_pdserve("decode", "--model", str(folder)), "quant_method 'awq'")
+
+
+KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+             "symmetric": True}
+
+
+def write_kv_scales(folder, scales: dict[str, float]) -> None:
+    """Adds FP8 KV scale tensors (name -> value) to a folder's checkpoint."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors.update({name: torch.tensor(value) for name, value in scales.items()})
+    save_file(tensors, str(folder / "model.safetensors"))
+
+
+def test_a_checkpoints_kv_scales_reach_an_fp8_pool_and_the_cluster_uses_them(tmp_path):
+    folder = tmp_path / "fp8kv"
+    model = hf_model("llama", "tiny")
+    dequantized = write_fp8_folder(folder, model, {**compressed_tensors("channel", False),
+                                                   "kv_cache_scheme": KV_SCHEME})
+    layers = model.config.num_hidden_layers
+    k = [0.02 * (i + 1) for i in range(layers)]
+    v = [0.03 * (i + 1) for i in range(layers)]
+    # compressed-tensors names them on the attention module; older checkpoints on k/v_proj.
+    write_kv_scales(folder, {
+        **{f"model.layers.{i}.self_attn.k_scale": k[i] for i in range(layers)},
+        **{f"model.layers.{i}.self_attn.v_proj.output_scale": v[i] for i in range(layers)}})
+    fp8 = ModelRunner(EngineConfig(model=str(folder), device="cpu", page_size=4, num_pages=256,
+                                   kv_cache_dtype="fp8_e4m3"), "prefill")
+    assert fp8.pool.k_scales == pytest.approx(k) and fp8.pool.v_scales == pytest.approx(v)
+    # The pages hold K / k_scale: the first layer's K (which no FP8 page has touched yet) read
+    # back and scaled is 16-bit K to e4m3's precision.
+    prompt = list(range(5, 21))
+    pages = fp8.pool.allocator.alloc(fp8.pool.pages_for(len(prompt)))
+    fp8.forward([SeqInput(prompt, 0, pages)])
+    wide = runner_for(folder)   # the model's dtype: its scales unused
+    assert wide.pool.k_scales == [1.0] * layers
+    wide_pages = wide.pool.allocator.alloc(wide.pool.pages_for(len(prompt)))
+    wide.forward([SeqInput(prompt, 0, wide_pages)])
+    stored = fp8.pool.k_cache(0)[pages].float() * k[0]
+    exact = wide.pool.k_cache(0)[wide_pages].float()
+    assert torch.allclose(stored, exact, rtol=2 ** -4, atol=k[0] * 2 ** -9)
+    assert not torch.allclose(fp8.pool.k_cache(0)[pages].float(), exact, rtol=0.5)   # scaled
+    # 16-bit KV: the weights still match transformers (the scale tensors are no weights).
+    assert_matches(reference(model, dequantized, tmp_path / "ref"), wide)
+    # The disaggregated path with the checkpoint's scales is the single process's.
+    expected = local.generate(fp8, prompt, SamplingParams(max_new_tokens=12))
+    cluster = start_cluster(["--model", str(folder), "--kv-cache-dtype", "fp8_e4m3"])
+    try:
+        ids, _, _, _ = generate(cluster.stub(), token_ids=generate_pb2.TokenIds(ids=prompt),
+                                sampling=generate_pb2.SamplingParams(max_new_tokens=12,
+                                                                     ignore_eos=True))
+        assert ids == expected
+    finally:
+        stop_cluster(cluster)
+
+
+def test_a_dynamic_kv_cache_scheme_is_refused_by_name():
+    quant = {**compressed_tensors("channel", False),
+             "kv_cache_scheme": {**KV_SCHEME, "strategy": "token", "dynamic": True}}
+    with pytest.raises(ValueError, match="kv_cache_scheme"):
+        parse_quantization({"quantization_config": quant})

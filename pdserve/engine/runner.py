@@ -16,7 +16,7 @@ from pdserve.engine.cuda_graph import CudaGraphRunner
 from pdserve.engine.launched_step import LaunchedStep
 from pdserve.engine.sampling import SampleRow, SamplingParams, sample
 from pdserve.errors import ConfigError
-from pdserve.kvcache.kv_dtype import kv_storage_dtype
+from pdserve.kvcache.kv_dtype import is_fp8, kv_storage_dtype
 from pdserve.kvcache.pool import KVLayout, KVPool
 from pdserve.models.config import ModelConfig
 from pdserve.models.loader import load_model
@@ -128,8 +128,14 @@ class ModelRunner:
             num_kv_heads=heads.num_kv_heads, head_dim=self.model_config.head_dim)
         num_pages = config.num_pages or self._pages_for_budget(config, kv_dtype, step_tokens,
                                                                min_pool_tokens)
+        # A checkpoint's KV scales apply to FP8 pages (16-bit pages need none).
+        scales = self.model.kv_scales if is_fp8(kv_dtype) else None
+        if scales is not None:
+            log.info("%s: FP8 KV scales from the checkpoint (K %g..%g, V %g..%g)", role,
+                     min(scales[0]), max(scales[0]), min(scales[1]), max(scales[1]))
         try:
-            self.pool = KVPool(self.layout, num_pages, kv_dtype, self.device)
+            self.pool = KVPool(self.layout, num_pages, kv_dtype, self.device,
+                               *(scales or (None, None)))
         except torch.OutOfMemoryError as err:   # another process holds part of the GPU
             raise ConfigError(
                 f"the KV pool ({num_pages} pages) does not fit in {self.device}'s free memory "

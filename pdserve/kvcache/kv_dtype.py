@@ -2,9 +2,9 @@
 
 FP8 pages hold float8 e4m3 values with one scale per layer for K and one for V: storing divides
 by the scale and saturates to e4m3's range (+-448), reading converts back and multiplies by it.
-Without calibrated scales every scale is 1.0, as vLLM and SGLang use when a checkpoint carries
-none; reading ``k_scale``/``v_scale`` from a checkpoint is left for later (the loader in
-pdserve/models/ would have to hand them over).
+A checkpoint's calibrated scales (``self_attn.k_scale``/``v_scale``, compressed-tensors'
+kv_cache_scheme) are read by the loader and used; without them every scale is 1.0, as vLLM and
+SGLang use when a checkpoint carries none.
 """
 from __future__ import annotations
 

@@ -167,6 +167,8 @@ class CausalLM(nn.Module):
         self.config = config
         self.tp = tp if is_parallel(tp) else None
         self.heads = HeadSplit.of(config.num_heads, config.num_kv_heads, tp)
+        # A checkpoint's FP8 KV scales, one K and one V per layer, if it has them (the loader's).
+        self.kv_scales: tuple[list[float], list[float]] | None = None
         if self.tp is not None:
             if config.num_experts:
                 raise ValueError("tensor parallelism does not support mixture-of-experts "

@@ -184,11 +184,20 @@ def _load_safetensors(net: CausalLM, model_dir: Path) -> None:
     input_scales = {name: p.zero_() for name, p in params.items() if name.endswith("input_scale")}
     # Elements of each parameter that no checkpoint tensor has filled yet.
     elements_left = {name: p.numel() for name, p in params.items() if name not in input_scales}
+    num_layers = net.config.num_layers
+    kv_scales = {"k": [1.0] * num_layers, "v": [1.0] * num_layers}
+    found_kv_scales = False
     files = _checkpoint_files(model_dir)
     for file in progress(files, len(files), f"loading {model_dir.name} weights"):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
                 if "rotary_emb" in key or (key == "lm_head.weight" and net.config.tie_word_embeddings):
+                    continue
+                kv_scale = _kv_scale_slot(key)
+                if kv_scale is not None and kv_scale[0] < num_layers:
+                    layer, kind = kv_scale
+                    kv_scales[kind][layer] = float(f.get_tensor(key).float().reshape(-1)[0])
+                    found_kv_scales = True
                     continue
                 slot = _slot(net.config, key)
                 name = _our_param_name(slot.name)
@@ -220,6 +229,22 @@ def _load_safetensors(net: CausalLM, model_dir: Path) -> None:
     missing = [name for name, left in elements_left.items() if left != 0]
     if missing:
         raise ValueError(f"{model_dir}: checkpoint lacks {', '.join(sorted(missing)[:5])}")
+    if found_kv_scales:
+        net.kv_scales = (kv_scales["k"], kv_scales["v"])
+
+
+# A layer's FP8 KV scales as checkpoints name them: compressed-tensors' (and vLLM's) k_scale and
+# v_scale on the attention module, or the older output_scale of k_proj and v_proj.
+_KV_SCALE = re.compile(
+    r"^model\.layers\.(\d+)\.self_attn\.(?:(k|v)_scale|(k|v)_proj\.output_scale)$")
+
+
+def _kv_scale_slot(key: str) -> tuple[int, str] | None:
+    """(layer, "k" or "v") for a checkpoint's KV scale tensor, None for any other tensor."""
+    match = _KV_SCALE.match(key)
+    if match is None:
+        return None
+    return int(match.group(1)), match.group(2) or match.group(3)
 
 
 # Presets up to this many parameters are drawn on the CPU, so every device gets the same weights;

@@ -149,7 +149,10 @@ def _parse_compressed_tensors(quant: dict[str, Any]) -> Fp8Scheme:
         static_input = not scheme[3]
     if group.get("output_activations"):
         raise ValueError(f"unsupported {name} output_activations (supported: none)")
-    if quant.get("kv_cache_scheme"):
-        raise ValueError(f"unsupported {name} kv_cache_scheme (FP8 weights only)")
+    kv = quant.get("kv_cache_scheme")
+    if kv and ((kv.get("num_bits"), kv.get("type"), kv.get("strategy"), bool(kv.get("dynamic")))
+               != (8, "float", "tensor", False)):
+        raise ValueError(f"unsupported {name} kv_cache_scheme {kv!r} (supported: 8-bit float, "
+                         "static per tensor: a k_scale and a v_scale per layer)")
     return Fp8Scheme(method=name, strategy=strategy, block_size=None, static_input=static_input,
                      ignore=tuple(quant.get("ignore") or ()))
