@@ -1,26 +1,18 @@
 """The prefill scheduler: batches waiting prompts up to a token budget, chunking long ones.
 
-Each step takes up to ``chunk_size`` prompt tokens across requests in arrival order (with
-``--schedule-policy lof``, longest output first); a prompt longer than what is left of the
-budget continues in the next step, attending to the pages its earlier chunks wrote. When a
-prompt's last chunk is done its first token is sampled and its hand-off
-(prefill_service.handoff) moves its pages into the decode reservation; the prefill pages are
-freed once no write reads them any more, however the request ends.
+Each step takes up to ``chunk_size`` prompt tokens across prompts in policy order
+(prefill_service.admission); a longer prompt continues in the next step. A prompt's last chunk
+samples its first token, and its hand-off (prefill_service.handoff) moves its pages into the
+decode reservation; the pages are freed once no write reads them, however the request ends.
 
-    loop: admit -> plan -> launch the step (layer-wise writes ride along), then collect the one
-          before it -> finish what completed
+    loop: take commands -> collect the step in flight if the GPU is done with it -> admit ->
+          plan -> launch the step, then collect the one before it -> finish what completed
 
-With overlap scheduling (the default) a step is launched before the step ahead of it is
-collected: the GPU runs step n while the host prepares and launches step n+1, and learns step
-n's first tokens afterwards. A step's inputs never depend on the step before's outputs (a
-prompt's next chunk attends to KV that the earlier step writes first, in stream order), so the
-tokens are exactly those of one step at a time.
-
-The loop runs on its own thread, as the decode loop does (pdserve.engine.step_loop): prompts,
-cancels and frees come in through a queue; what a step ends (hand-offs to start, failures,
-pages to free once their writes settle) goes to the event loop in one callback. The event loop
-owns each prompt's caller, lease and hand-off; the thread owns the queue, the pages and the
-steps, so no gRPC work sits between two prefill steps.
+With overlap scheduling a step is launched before the one ahead of it is collected. A step's
+inputs never depend on the step before's outputs, so the tokens are those of one step at a time.
+The loop runs on its own thread (pdserve.engine.step_loop): prompts, cancels and frees come in
+through a queue, and what a step ends goes to the event loop in one callback. The event loop
+owns each prompt's caller, lease and hand-off; the thread owns the queue, the pages and the steps.
 """
 from __future__ import annotations
 
@@ -33,7 +25,7 @@ from collections.abc import Callable
 
 from kv_transfer.base import PageWrite
 from kv_transfer.link import DecodeLinks
-from pdserve.config import LOF_AGING_S, SCHEDULE_POLICIES
+from pdserve.config import SCHEDULE_POLICIES
 from pdserve.engine.batch import SeqInput
 from pdserve.engine.gpu_share import PrefillActivity
 from pdserve.engine.runner import ModelRunner
@@ -42,6 +34,7 @@ from pdserve.errors import InvalidRequest, Overloaded
 from pdserve.kvcache.prefix_pages import PrefixPages
 from pdserve.metrics import PrefillMetrics
 from pdserve.sampling_params import sample_row
+from prefill_service.admission import computing_its_next_page, lof_key
 from prefill_service.handoff import Handoffs
 from prefill_service.leases import LeaseKeeper
 from prefill_service.task import PrefillStep, PrefillTask, StepOutput
@@ -215,6 +208,7 @@ class PrefillScheduler:
     def _loop(self) -> None:
         idle = False
         while self._take_commands(block=idle):
+            self._collect_if_done()
             self._admit()
             self._publish_load()
             step = self._plan_step()
@@ -225,6 +219,19 @@ class PrefillScheduler:
                 if collected is not None:
                     self._finish_step(collected)
             self._hand_over()
+
+    def _collect_if_done(self) -> None:
+        """Collects the step in flight now if the GPU has finished it: its prompts' hand-offs
+        start before the next step's launch (a host-bound launch takes longer than the step's
+        GPU work), and its freed pages and cached prefixes serve the next plan."""
+        step = self._overlap.in_flight
+        done = step.launched.done if step is not None and step.launched is not None else None
+        if done is None or not done.query():   # on the CPU a step is collected after the next
+            return
+        self._overlap.forget()
+        self._collect(step)
+        self._finish_step(step)
+        self._hand_over()
 
     def _take_commands(self, block: bool) -> bool:
         """New prompts, cancels and frees; waits for one while there is nothing to do (or
@@ -284,14 +291,14 @@ class PrefillScheduler:
                 f"prefill queue: a prompt waited --max-queue-wait-s {limit_s:g} s without "
                 "starting")))
         if self.policy == "lof" and len(self._waiting) > 1:
-            self._waiting = deque(sorted(self._waiting, key=lambda t: _lof_key(t, now)))
+            self._waiting = deque(sorted(self._waiting, key=lambda t: lof_key(t, now)))
         # Only what the next step can take: a prompt admitted later may find its prefix
         # cached by the steps before it (and holds no pages meanwhile).
         budget = self.chunk_size - sum(t.unscheduled for t in self._running)
         deferred: list[PrefillTask] = []
         while self._waiting and budget > 0:
             task = self._waiting.popleft()
-            if self._computing_its_next_page(task):
+            if computing_its_next_page(task, self._running, self.pages):
                 deferred.append(task)   # next step it finds that page cached
                 continue
             page_set = self.pages.acquire(task.prompt_ids)
@@ -305,24 +312,6 @@ class PrefillScheduler:
             self._taken += 1
             budget -= task.unscheduled
         self._waiting.extendleft(reversed(deferred))
-
-    def _computing_its_next_page(self, task: PrefillTask) -> bool:
-        """Whether a running prompt is about to compute the first page ``task`` would compute
-        (the same tokens from the start): prompts of a burst that share a prefix then compute
-        it once, one step apart, instead of side by side."""
-        page_size = self.pool.page_size
-        first_page = task.prompt_ids[:page_size]
-        # Cheap first: no running prompt starts like it (say, unrelated prompts), no match.
-        if self.pages.cache is None or not any(other.prompt_ids[:page_size] == first_page
-                                               for other in self._running):
-            return False
-        end = self.pages.cached_tokens(task.prompt_ids) + page_size
-        if end >= len(task.prompt_ids):
-            return False
-        head = task.prompt_ids[:end]
-        return any(other.computed < end <= len(other.prompt_ids)
-                   and other.prompt_ids[end - page_size:end] == head[end - page_size:]
-                   and other.prompt_ids[:end] == head for other in self._running)
 
     def _plan_step(self) -> PrefillStep | None:
         """The next step: up to chunk_size prompt tokens no step has taken, running prompts in
@@ -417,10 +406,3 @@ class PrefillScheduler:
 
     def _publish_load(self) -> None:
         self.metrics.set_load(self.num_running, self.num_waiting)
-
-
-def _lof_key(task: PrefillTask, now: float) -> tuple[int, int, float]:
-    """Longest output first; prompts waiting over LOF_AGING_S before all, oldest first."""
-    if now - task.enqueued_at > LOF_AGING_S:
-        return (0, 0, task.enqueued_at)
-    return (1, -task.params.max_new_tokens, task.enqueued_at)

@@ -22,7 +22,8 @@ from pdserve.kvcache.pool import KVPool
 from pdserve.metrics import PrefillMetrics
 from pdserve.sampling_params import SamplingParams
 from prefill_service.handoff import Handoff
-from prefill_service.scheduler import LOF_AGING_S, PrefillScheduler, PrefillTask
+from pdserve.config import LOF_AGING_S
+from prefill_service.scheduler import PrefillScheduler, PrefillTask
 from protos.pdserve.v1 import kv_transfer_pb2_grpc
 
 # (request id, max_new_tokens) in the order they arrive, behind a long prompt.
@@ -56,8 +57,27 @@ class Recording(PrefillScheduler):
         return step
 
 
+class Finished:
+    """A CUDA event already reached: the GPU has run the step."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class GpuDone(Recording):
+    """Steps that report, as on a GPU, that the device has finished them."""
+
+    def _launch(self, step, to_loop):  # noqa: ANN001, ANN202
+        super()._launch(step, to_loop)
+        if step.launched is not None:
+            step.launched.done = Finished()
+
+
 async def _serve_burst(runner, policy: str, aged: str = "",  # noqa: ANN001
-                       overlap: bool = True) -> Recording:
+                       overlap: bool = True, scheduler_class: type = Recording) -> Recording:
     src = runner.pool
     dst = KVPool(src.layout, 2048, src.tensor.dtype, torch.device("cpu"))
     table = ReservationTable(dst, max_queued=16, wait_s=5.0, lease_timeout_s=60.0,
@@ -69,7 +89,7 @@ async def _serve_burst(runner, policy: str, aged: str = "",  # noqa: ANN001
     address = f"127.0.0.1:{server.port}"
     links = DecodeLinks(src, timeout_s=30)
     # Steps of 16 tokens take one 16-token prompt each: the start order is the policy's.
-    scheduler = Recording(runner, links, chunk_size=16, max_queued=16,
+    scheduler = scheduler_class(runner, links, chunk_size=16, max_queued=16,
                           metrics=PrefillMetrics("t"), prefix_cache=False, policy=policy,
                           overlap=overlap)
     loop_task = asyncio.create_task(scheduler.run())
@@ -141,6 +161,15 @@ def test_steps_overlap_only_with_overlap_scheduling(tiny_runner, overlap):
         assert launched_ahead > steps // 2
     else:
         assert events == [(kind, i) for i in range(steps) for kind in ("launch", "collect")]
+
+
+def test_a_step_the_gpu_has_finished_is_collected_before_the_next_is_launched(tiny_runner):
+    # Its prompts' hand-offs then start before the next step's launch, not after it.
+    scheduler = asyncio.run(_serve_burst(tiny_runner, "fcfs", scheduler_class=GpuDone))
+    steps = len(scheduler.events) // 2
+    assert steps > 100 and scheduler.events == [
+        (kind, i) for i in range(steps) for kind in ("launch", "collect")]
+    assert scheduler.started == ["blocker", "a", "b", "c", "d", "e"]
 
 
 def test_an_unknown_policy_is_refused(tiny_runner):
