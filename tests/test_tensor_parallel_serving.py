@@ -125,3 +125,17 @@ def test_prefill_and_decode_of_any_ranks_give_the_single_process_tokens(
         assert len(_children(cluster.processes["decode0"].pid)) == decode_ranks - 1
     finally:
         cluster.stop()
+
+
+def test_a_mixture_of_experts_model_over_ranks_gives_the_single_process_tokens():
+    from pdserve.config import EngineConfig
+    from pdserve.engine.runner import ModelRunner
+
+    moe = ["--model", "tiny-moe", "--tensor-parallel-size", "2"]
+    reference = ModelRunner(EngineConfig(model="tiny-moe", device="cpu", page_size=4,
+                                         num_pages=256, torch_threads=1), "prefill")
+    cluster = start_roles(["prefill", "decode"], prefill_flags=moe, decode_flags=moe)
+    try:
+        _assert_single_process_tokens(cluster, reference, "experts")
+    finally:
+        cluster.stop()

@@ -149,9 +149,9 @@ class DecoderLayer(nn.Module):
 def _mlp(config: ModelConfig, layer_id: int, tp: TPGroup | None) -> nn.Module:
     if not config.is_moe_layer(layer_id):
         return MLP(config, tp=tp)
-    shared = (MLP(config, config.shared_expert_intermediate_size)
+    shared = (MLP(config, config.shared_expert_intermediate_size, tp)
               if config.shared_expert_intermediate_size else None)
-    return SparseMoeBlock(config, shared)
+    return SparseMoeBlock(config, shared, tp)
 
 
 class CausalLM(nn.Module):
@@ -160,7 +160,7 @@ class CausalLM(nn.Module):
     With a ``tp`` group of several ranks, this process holds its rank's share of each layer
     (pdserve/parallel/tensor.py) and every rank returns the same logits; ``heads`` are its
     attention heads, which its KV pool and attention backend must be built for. ValueError
-    where the heads do not split evenly over the ranks, or for mixture-of-experts models."""
+    where the heads or the MLPs' intermediate sizes do not split evenly over the ranks."""
 
     def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
@@ -170,9 +170,6 @@ class CausalLM(nn.Module):
         # A checkpoint's FP8 KV scales, one K and one V per layer, if it has them (the loader's).
         self.kv_scales: tuple[list[float], list[float]] | None = None
         if self.tp is not None:
-            if config.num_experts:
-                raise ValueError("tensor parallelism does not support mixture-of-experts "
-                                 "models yet")
             self.embed_tokens: nn.Module = VocabParallelEmbedding(
                 config.vocab_size, config.hidden_size, self.tp)
         else:

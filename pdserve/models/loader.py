@@ -60,11 +60,10 @@ def load_model(model: str, dtype: str, device: torch.device, seed: int = 0,
         # Fp8Linear holds one linear layer; stacked experts have no FP8 form yet.
         raise ConfigError(f"--model {model}: FP8 weights are not supported for "
                           "mixture-of-experts models yet; serve its 16-bit checkpoint")
-    if is_parallel(tp) and (config.num_experts or scheme is not None or quantization == "fp8"):
-        # Neither stacked experts nor Fp8Linear (with its block scales) are sharded yet.
-        raise ConfigError(f"--model {model}: tensor parallelism does not support "
-                          f"{'mixture-of-experts models' if config.num_experts else 'FP8 weights'}"
-                          " yet")
+    if is_parallel(tp) and (scheme is not None or quantization == "fp8"):
+        # Fp8Linear (with its block scales) is not sharded yet.
+        raise ConfigError(f"--model {model}: tensor parallelism does not support FP8 weights "
+                          "yet")
     torch_dtype = resolve_dtype(dtype, config)
     with torch.device("meta"):
         net = CausalLM(config, tp)
@@ -212,7 +211,8 @@ def _load_safetensors(net: CausalLM, model_dir: Path) -> None:
                 if owner is not None:   # this rank's part of the tensor, where it goes in ours
                     dim, offset, tensor = owner.shard(name.rpartition(".")[2], tensor,
                                                       slot.offset)
-                    target = params[name].narrow(dim, offset, tensor.shape[dim])
+                    base = params[name] if slot.expert is None else params[name][slot.expert]
+                    target = base.narrow(dim, offset, tensor.shape[dim])
                 else:
                     target = slot.target(params[name])
                 if name.endswith(".weight_scale"):

@@ -11,6 +11,9 @@ one host sync per layer to learn which did. That is fine on the CPU; a GPU needs
 kernel (a grouped GEMM over tokens sorted by expert) to be fast. Inside a CUDA graph capture,
 where no host sync may happen, every expert computes every token instead and unchosen experts
 are weighted by zero: correct, and slow.
+
+Under tensor parallelism each rank holds every expert's slice of the intermediate size
+(``ShardedExperts``), and the block adds the ranks' partial sums with one all-reduce.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.models.config import ModelConfig
+from pdserve.parallel.tensor import Part, Sharded, TPGroup, is_parallel
 
 if TYPE_CHECKING:
     from pdserve.models.llama import ForwardContext
@@ -75,18 +79,61 @@ class Experts(nn.Module):
         return torch.einsum("eth,te->th", h.to(dense.dtype), dense).to(x.dtype)
 
 
+class ShardedExperts(Experts, Sharded):
+    """Each expert's share of one tensor-parallel rank: a slice of its intermediate size (its
+    gate and up rows, the matching down columns), as a dense MLP is split. Their partial sums
+    are added up across the ranks by the block."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 tp: TPGroup) -> None:
+        part = Part.even(intermediate_size, tp, "the experts' intermediate size")
+        super().__init__(num_experts, hidden_size, part.rows)
+        self.part = part
+        self.full_intermediate = intermediate_size
+
+    def full_shape(self, param: str) -> tuple[int, ...]:
+        experts, rows, cols = getattr(self, param).shape
+        if param == "gate_up_proj":
+            return (experts, 2 * self.full_intermediate, cols)
+        return (experts, rows, self.full_intermediate)
+
+    def shard(self, param: str, full: torch.Tensor, offset: int = 0
+              ) -> tuple[int, int, torch.Tensor]:
+        """One expert's checkpoint tensor (gate or up rows at ``offset``, or down) as this
+        rank's part, the dims the expert's own; or every expert's, stacked."""
+        part = self.part
+        if full.dim() == 3:   # a checkpoint that stacks every expert (as transformers holds them)
+            return 0, 0, self.shard_full(param, full)
+        if param == "gate_up_proj":
+            local = 0 if offset == 0 else part.rows
+            return 0, local, full[part.start:part.start + part.rows]
+        return 1, 0, full[:, part.start:part.start + part.rows]
+
+    def shard_full(self, param: str, full: torch.Tensor) -> torch.Tensor:
+        part, inter = self.part, self.full_intermediate
+        if param == "gate_up_proj":
+            return torch.cat([full[:, part.start:part.start + part.rows],
+                              full[:, inter + part.start:inter + part.start + part.rows]], dim=1)
+        return full[:, :, part.start:part.start + part.rows]
+
+
 class SparseMoeBlock(nn.Module):
     """Router, experts and, for Qwen2-MoE, a shared expert with a sigmoid gate; parameter names
     follow Hugging Face's (``gate``, ``experts``, ``shared_expert``, ``shared_expert_gate``)."""
 
-    def __init__(self, config: ModelConfig, shared_expert: nn.Module | None = None) -> None:
+    def __init__(self, config: ModelConfig, shared_expert: nn.Module | None = None,
+                 tp: TPGroup | None = None) -> None:
         super().__init__()
+        self.tp = tp if is_parallel(tp) else None
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.float32_routing_weights = config.float32_routing_weights
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
-        self.experts = Experts(config.num_experts, config.hidden_size,
-                               config.moe_intermediate_size)
+        self.experts = (ShardedExperts(config.num_experts, config.hidden_size,
+                                       config.moe_intermediate_size, self.tp)
+                        if self.tp is not None else
+                        Experts(config.num_experts, config.hidden_size,
+                                config.moe_intermediate_size))
         self.shared_expert = shared_expert
         if shared_expert is not None:
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
@@ -109,6 +156,8 @@ class SparseMoeBlock(nn.Module):
             out = self.experts.forward_every_expert(x, weights, chosen, ctx)
         else:
             out = self.experts(x, weights, chosen, ctx)
+        if self.tp is not None:   # each rank summed its slice of every expert
+            out = self.tp.all_reduce(out)
         if self.shared_expert is not None:
             shared = self.shared_expert(x, ctx)
             out = out + torch.sigmoid(ctx.linear(self.shared_expert_gate, x)) * shared

@@ -85,16 +85,16 @@ def check_splits(model_config, size: int) -> None:  # noqa: ANN001 - a ModelConf
     from pdserve.errors import ConfigError
 
     flag = f"--tensor-parallel-size {size}"
-    if model_config.num_experts:
-        raise ConfigError(f"{flag}: mixture-of-experts layers are not split over ranks yet; "
-                          "use 1")
     try:
         HeadSplit.of(model_config.num_heads, model_config.num_kv_heads, TPGroup(0, size))
     except ValueError as err:
         raise ConfigError(f"{flag}: {err}") from err
-    if model_config.intermediate_size % size:
-        raise ConfigError(f"{flag}: the MLP's intermediate size "
-                          f"({model_config.intermediate_size}) is not divisible by {size}")
+    for what, width in (("the MLP's intermediate size", model_config.intermediate_size),
+                        ("the experts' intermediate size", model_config.moe_intermediate_size),
+                        ("the shared expert's intermediate size",
+                         model_config.shared_expert_intermediate_size)):
+        if width % size:
+            raise ConfigError(f"{flag}: {what} ({width}) is not divisible by {size}")
 
 
 class RankedRunner:
