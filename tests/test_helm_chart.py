@@ -317,6 +317,8 @@ def test_kv_transfer_engine_reaches_the_decode_pods():
      "fp8_e4m3 on GPUs needs decode.settings.attention-backend: torch"),
     ({"model": {"kvCacheDtype": "fp8_e4m3"}, "prefill": {"gpus": 1, "settings": {
         "attention-backend": "fa"}}}, "needs prefill.settings.attention-backend: torch"),
+    ({"decode": {"gpus": 1, "settings": {"tensor-parallel-size": 2}}},
+     "decode.settings.tensor-parallel-size: tensor-parallel ranks run on the CPU for now"),
 ])
 def test_bad_values_fail_with_a_clear_message(values, message):
     with pytest.raises(helm.HelmError, match=message):
@@ -416,3 +418,8 @@ def test_fp8_weights_and_kv_cache_reach_both_workers_alike():
     render({"model": {"kvCacheDtype": "fp8_e4m3"},
             "prefill": {"gpus": 1, "settings": {"device": "cpu"}},
             "decode": {"gpus": 1, "extraArgs": ["--attention-backend=torch"]}})
+
+
+def test_a_worker_of_several_tensor_parallel_ranks_renders_on_the_cpu():
+    objects, _ = render({"decode": {"settings": {"tensor-parallel-size": 2}}})
+    assert "--tensor-parallel-size=2" in _container(_one(objects, "Deployment", "decode"))["args"]
