@@ -139,3 +139,33 @@ def test_a_mixture_of_experts_model_over_ranks_gives_the_single_process_tokens()
         _assert_single_process_tokens(cluster, reference, "experts")
     finally:
         cluster.stop()
+
+
+# Imported first in every process of the worker (its sitecustomize): the other ranks (started
+# with --rank) fail before they join the group.
+BREAK_RANK = '''
+import sys
+import torch.distributed as dist
+
+original = dist.init_process_group
+
+def broken(*args, **kwargs):
+    if "--rank" in sys.argv:
+        raise SystemExit("injected: this rank cannot start")
+    return original(*args, **kwargs)
+
+dist.init_process_group = broken
+'''
+
+
+def test_a_rank_that_cannot_start_stops_its_worker_in_one_line(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(BREAK_RANK)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    done = subprocess.run([sys.executable, "-m", "pdserve", "prefill", *ENGINE_FLAGS,
+                           "--device", "cpu", "--tensor-parallel-size", "2"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1] == (
+        "pdserve: error: --tensor-parallel-size 2: a rank failed to start (rank 1 exited "
+        "with code 1)")

@@ -41,6 +41,7 @@ from pdserve.engine.decode_steps import DecodeSteps, StepPlan
 from pdserve.engine.launched_step import LaunchedStep
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampling import SampleRow
+from pdserve.errors import ConfigError
 from pdserve.kvcache.pool import KVPool
 from pdserve.parallel.tensor import HeadSplit, TPGroup
 
@@ -51,6 +52,7 @@ log = logging.getLogger(__name__)
 IDLE_TIMEOUT = timedelta(days=365)
 PARENT_POLL_S = 1.0
 JOIN_TIMEOUT = timedelta(seconds=600)   # the ranks loading their shares of the model
+START_POLL_S = 0.2                      # how often a starting worker looks for a rank that died
 
 
 class RankLost(BaseException):
@@ -82,8 +84,6 @@ def _runner_args(config: EngineConfig, role: str, step_tokens: int, min_pool_tok
 
 def check_splits(model_config, size: int) -> None:  # noqa: ANN001 - a ModelConfig
     """ConfigError unless ``size`` ranks can split the model's layers evenly."""
-    from pdserve.errors import ConfigError
-
     flag = f"--tensor-parallel-size {size}"
     try:
         HeadSplit.of(model_config.num_heads, model_config.num_kv_heads, TPGroup(0, size))
@@ -111,7 +111,7 @@ class RankedRunner:
              str(size), "--port", str(port), "--parent", str(os.getpid())],
             stdin=subprocess.DEVNULL, env={**os.environ, "PDSERVE_RANK_ARGS": args})
             for rank in range(1, size)]
-        self.tp = _init(0, size, port)
+        self.tp = self._join(size, port)
         self.local = ModelRunner(config, role, step_tokens, min_pool_tokens, tp=self.tp)
         self.model_config = self.local.model_config
         self.device = self.local.device
@@ -126,8 +126,43 @@ class RankedRunner:
         self.pool = KVPool(layout, self.local.pool.tensor.shape[2], self.local.pool.tensor.dtype,
                            self.device)
         self.pool.allocator = self.local.pool.allocator
-        self._collective(lambda: _check_same_pages(self.tp, self.pool.tensor.shape[2]))
+        try:   # waits for the other ranks' models and pools
+            _check_same_pages(self.tp, self.pool.tensor.shape[2])
+        except RuntimeError as err:
+            for _ in range(50):   # the rank that broke the collective is exiting: name it
+                if self.dead_rank() is not None:
+                    break
+                time.sleep(0.1)
+            raise ConfigError(f"--tensor-parallel-size {size}: a rank failed to start "
+                              f"({self._rank_exits() or err})") from err
         self._lock = threading.Lock()
+
+    def _join(self, size: int, port: int) -> TPGroup:
+        """Rank 0's place in the group, once every rank has joined; a ConfigError as soon as
+        a rank exits instead (its own error is on stderr above)."""
+        joined: dict[str, object] = {}
+
+        def join() -> None:
+            try:
+                joined["tp"] = _init(0, size, port)
+            except BaseException as err:  # noqa: BLE001 - raised below
+                joined["error"] = err
+
+        thread = threading.Thread(target=join, name="tp-join", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(START_POLL_S)
+            if thread.is_alive() and self.dead_rank() is not None:
+                raise ConfigError(f"--tensor-parallel-size {size}: a rank failed to start "
+                                  f"({self._rank_exits()})")
+        if "error" in joined:
+            raise joined["error"]  # type: ignore[misc]
+        return joined["tp"]  # type: ignore[return-value]
+
+    def _rank_exits(self) -> str:
+        return ", ".join(f"rank {i} exited with code {rank.returncode}"
+                         for i, rank in enumerate(self.ranks, start=1)
+                         if rank.poll() is not None)
 
     @property
     def model(self):  # noqa: ANN201 - the local model (its ops, heads)
