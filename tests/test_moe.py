@@ -159,10 +159,66 @@ def test_real_presets_have_their_published_shapes():
     assert round(params["mixtral-8x7b"] / 1e9, 1) == 46.7
 
 
-def test_fp8_is_refused_for_experts_in_one_line():
-    with pytest.raises(ConfigError, match="FP8 weights are not supported for mixture-of-experts"):
+def test_quantizing_experts_at_load_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match="--quantization fp8 does not quantize mixture-of-"):
         ModelRunner(EngineConfig(model="tiny-moe", device="cpu", page_size=4, num_pages=16,
                                  quantization="fp8"), "prefill")
+
+
+def _fp8_moe_folder(hf: transformers.PreTrainedModel, folder) -> dict[str, torch.Tensor]:
+    """``hf`` as a block-FP8 checkpoint (Qwen3-*-FP8's layout: every projection and expert in
+    FP8 with 128x128 block scales, the router and lm_head dense, experts one tensor each);
+    returns the dequantized state dict."""
+    import json
+
+    from safetensors.torch import save_file
+    from test_fp8_weights import BLOCK_FP8, _train_tokenizer, quantize_blocks
+
+    inter = hf.config.moe_intermediate_size
+    tensors, dequantized = {}, {}
+    for key, value in hf.state_dict().items():
+        if key.endswith("mlp.experts.gate_up_proj") or key.endswith("mlp.experts.down_proj"):
+            prefix = key.rpartition(".")[0]
+            parts = ({"gate_proj": slice(0, inter), "up_proj": slice(inter, 2 * inter)}
+                     if key.endswith("gate_up_proj") else {"down_proj": slice(None)})
+            restacked = torch.empty_like(value)
+            for expert in range(value.shape[0]):
+                for part, rows in parts.items():
+                    q, scale, dq = quantize_blocks(value[expert, rows])
+                    tensors[f"{prefix}.{expert}.{part}.weight"] = q
+                    tensors[f"{prefix}.{expert}.{part}.weight_scale_inv"] = scale
+                    restacked[expert, rows] = dq
+            dequantized[key] = restacked
+        elif key.startswith("model.layers.") and key.endswith("_proj.weight"):
+            q, scale, dequantized[key] = quantize_blocks(value)
+            tensors[key], tensors[key.replace(".weight", ".weight_scale_inv")] = q, scale
+        else:
+            tensors[key] = dequantized[key] = value.contiguous()
+    folder.mkdir()
+    save_file(tensors, str(folder / "model.safetensors"))
+    config = {**hf.config.to_dict(), "architectures": [type(hf).__name__],
+              "quantization_config": {**BLOCK_FP8,
+                                      "modules_to_not_convert": ["lm_head", "mlp.gate"]}}
+    (folder / "config.json").write_text(json.dumps(config))
+    _train_tokenizer().save(str(folder / "tokenizer.json"))
+    return dequantized
+
+
+def test_an_fp8_checkpoints_experts_load_dequantized_and_match_transformers(tmp_path):
+    config_cls, model_cls, kwargs, _ = CONFIGS[next(iter(CONFIGS))]   # qwen3-moe
+    torch.manual_seed(0)
+    hf = model_cls(config_cls(**kwargs)).float().eval()
+    with torch.no_grad():
+        for param in hf.parameters():
+            if param.dim() >= 2:
+                param.normal_(0, 1 / param.shape[-1] ** 0.5)
+    dequantized = _fp8_moe_folder(hf, tmp_path / "fp8")
+    hf.load_state_dict(dequantized)
+    runner = ModelRunner(EngineConfig(model=str(tmp_path / "fp8"), device="cpu", page_size=4,
+                                      num_pages=256), "prefill")
+    assert_prefill_logits_match(hf, runner, VOCAB)
+    prompt = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    assert_greedy_matches(hf, runner, prompt, 12)
 
 
 def test_shared_expert_is_a_dense_mlp_of_its_own_size():

@@ -187,6 +187,26 @@ def scale_rows(module: Fp8Linear, key: str, scale: torch.Tensor, rows: int) -> t
                      f"{rows}x{module.in_features}")
 
 
+def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor,
+                      block_size: tuple[int, int] | None, key: str) -> torch.Tensor:
+    """An FP8 checkpoint weight [rows, columns] times its scale (per tensor, per output row, or
+    per block of ``block_size``), float32: what the experts of an FP8 mixture-of-experts
+    checkpoint hold until FP8 expert kernels exist. ValueError for a scale of another shape."""
+    rows, cols = weight.shape
+    values, scale = fp8_to_float(weight), scale.float()
+    if scale.numel() == 1:
+        return values * scale.reshape(())
+    if scale.shape in ((rows, 1), (rows,)):
+        return values * scale.reshape(rows, 1)
+    if block_size is not None:
+        block_rows, block_cols = block_size
+        if scale.shape == (-(-rows // block_rows), -(-cols // block_cols)):
+            return values * scale.repeat_interleave(block_rows, 0)[:rows].repeat_interleave(
+                block_cols, 1)[:, :cols]
+    raise ValueError(f"{key}: scale of shape {tuple(scale.shape)} fits no per-tensor, "
+                     f"per-channel or block scale of {rows}x{cols}")
+
+
 def describe(net: nn.Module) -> str:
     """'N of M linear layers in FP8' for the load log."""
     linears = [m for m in net.modules() if isinstance(m, (nn.Linear, Fp8Linear))]

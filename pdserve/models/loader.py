@@ -56,10 +56,12 @@ def load_model(model: str, dtype: str, device: torch.device, seed: int = 0,
     except ValueError as err:   # an unsupported architecture or quantization: one line
         raise ConfigError(f"--model {model}: {err}") from err
     scheme = config.weight_quant
-    if config.num_experts and (scheme is not None or quantization == "fp8"):
-        # Fp8Linear holds one linear layer; stacked experts have no FP8 form yet.
-        raise ConfigError(f"--model {model}: FP8 weights are not supported for "
-                          "mixture-of-experts models yet; serve its 16-bit checkpoint")
+    if config.num_experts and quantization == "fp8" and scheme is None:
+        # Fp8Linear holds one linear layer; stacked experts have no FP8 form yet (an FP8
+        # checkpoint's experts are dequantized at load).
+        raise ConfigError(f"--model {model}: --quantization fp8 does not quantize "
+                          "mixture-of-experts models yet; serve an FP8 checkpoint of it, or "
+                          "leave the flag out")
     if is_parallel(tp) and (scheme is not None or quantization == "fp8"):
         # Fp8Linear (with its block scales) is not sharded yet.
         raise ConfigError(f"--model {model}: tensor parallelism does not support FP8 weights "
@@ -104,6 +106,9 @@ def load_model(model: str, dtype: str, device: torch.device, seed: int = 0,
 # Mixtral's block_sparse_moe.experts.{e}.w1 (gate) / w3 (up) / w2 (down).
 _EXPERT_TENSOR = re.compile(
     r"\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_EXPERT_SCALE = re.compile(
+    r"\.(?:mlp|block_sparse_moe)\.experts\.\d+\.(?:gate_proj|up_proj|down_proj|w1|w3|w2)\."
+    r"(weight_scale_inv|weight_scale|input_scale|activation_scale)$")
 _EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
                 "down_proj": "down", "w2": "down"}
 
@@ -186,6 +191,29 @@ def _load_safetensors(net: CausalLM, model_dir: Path) -> None:
     num_layers = net.config.num_layers
     kv_scales = {"k": [1.0] * num_layers, "v": [1.0] * num_layers}
     found_kv_scales = False
+    # FP8 experts (weight, scale) by checkpoint key, dequantized once both are read.
+    fp8_experts: dict[str, dict[str, torch.Tensor]] = {}
+
+    def place(key: str, slot: Slot, name: str, tensor: torch.Tensor) -> None:
+        owner = _sharded_owner(net, name)
+        if owner is not None:   # this rank's part of the tensor, where it goes in ours
+            dim, offset, tensor = owner.shard(name.rpartition(".")[2], tensor, slot.offset)
+            base = params[name] if slot.expert is None else params[name][slot.expert]
+            target = base.narrow(dim, offset, tensor.shape[dim])
+        else:
+            target = slot.target(params[name])
+        if name.endswith(".weight_scale"):
+            module = net.get_submodule(name.removesuffix(".weight_scale"))
+            tensor = fp8.scale_rows(module, key, tensor, target.shape[0])
+        elif (tensor.dtype == fp8.FP8_DTYPE) != (target.dtype == fp8.FP8_DTYPE):
+            raise ValueError(f"{key}: {str(tensor.dtype).removeprefix('torch.')} in the "
+                             "checkpoint, but its quantization_config makes it "
+                             f"{str(target.dtype).removeprefix('torch.')}")
+        if tensor.shape != target.shape:
+            raise ValueError(f"{key}: shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+        target.copy_(tensor)
+        elements_left[name] -= target.numel()
+
     files = _checkpoint_files(model_dir)
     for file in progress(files, len(files), f"loading {model_dir.name} weights"):
         with safe_open(str(file), framework="pt") as f:
@@ -198,6 +226,12 @@ def _load_safetensors(net: CausalLM, model_dir: Path) -> None:
                     kv_scales[kind][layer] = float(f.get_tensor(key).float().reshape(-1)[0])
                     found_kv_scales = True
                     continue
+                expert_scale = _EXPERT_SCALE.search(key)
+                if expert_scale:   # experts compute dequantized: input scales are not needed
+                    if expert_scale[1] in ("weight_scale_inv", "weight_scale"):
+                        weight_key = key[:expert_scale.start(1)] + "weight"
+                        fp8_experts.setdefault(weight_key, {})["scale"] = f.get_tensor(key)
+                    continue
                 slot = _slot(net.config, key)
                 name = _our_param_name(slot.name)
                 if name not in params:
@@ -207,25 +241,20 @@ def _load_safetensors(net: CausalLM, model_dir: Path) -> None:
                     input_scales[name].copy_(torch.maximum(input_scales[name],
                                                            tensor.float().reshape(1)))
                     continue
-                owner = _sharded_owner(net, name)
-                if owner is not None:   # this rank's part of the tensor, where it goes in ours
-                    dim, offset, tensor = owner.shard(name.rpartition(".")[2], tensor,
-                                                      slot.offset)
-                    base = params[name] if slot.expert is None else params[name][slot.expert]
-                    target = base.narrow(dim, offset, tensor.shape[dim])
-                else:
-                    target = slot.target(params[name])
-                if name.endswith(".weight_scale"):
-                    module = net.get_submodule(name.removesuffix(".weight_scale"))
-                    tensor = fp8.scale_rows(module, key, tensor, target.shape[0])
-                elif (tensor.dtype == fp8.FP8_DTYPE) != (target.dtype == fp8.FP8_DTYPE):
-                    raise ValueError(f"{key}: {str(tensor.dtype).removeprefix('torch.')} in "
-                                     "the checkpoint, but its quantization_config makes it "
-                                     f"{str(target.dtype).removeprefix('torch.')}")
-                if tensor.shape != target.shape:
-                    raise ValueError(f"{key}: shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
-                target.copy_(tensor)
-                elements_left[name] -= target.numel()
+                if slot.expert is not None and tensor.dtype == fp8.FP8_DTYPE:
+                    fp8_experts.setdefault(key, {})["weight"] = tensor
+                    continue
+                place(key, slot, name, tensor)
+    scheme = net.config.weight_quant
+    for key, parts in fp8_experts.items():
+        if "weight" not in parts or "scale" not in parts:
+            raise ValueError(f"{model_dir}: {key} lacks its FP8 "
+                             f"{'scale' if 'weight' in parts else 'weight'}")
+        slot = _slot(net.config, key)
+        name = _our_param_name(slot.name)
+        values = fp8.dequantize_weight(parts["weight"], parts["scale"],
+                                       scheme.block_size if scheme else None, key)
+        place(key, slot, name, values.to(params[name].dtype))
     missing = [name for name, left in elements_left.items() if left != 0]
     if missing:
         raise ValueError(f"{model_dir}: checkpoint lacks {', '.join(sorted(missing)[:5])}")
