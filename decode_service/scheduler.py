@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -38,7 +37,7 @@ from pdserve.engine.decode_slots import SlotJoin
 from pdserve.engine.decode_steps import DecodeSteps, StepPlan
 from pdserve.engine.gpu_share import PrefillWatch
 from pdserve.engine.launched_step import LaunchedStep
-from pdserve.engine.step_loop import Overlap, StepThread, StepTimer
+from pdserve.engine.step_loop import Mailbox, Overlap, StepThread, StepTimer
 from pdserve.metrics import DecodeMetrics
 from pdserve.sampling_params import SamplingParams, finish_reason
 
@@ -98,7 +97,6 @@ class StepOutput:
         return bool(self.tokens or self.finals or self.failed or self.cancelled or self.freed)
 
 
-_STOP = object()
 _WAKE = object()
 PREFILL_STALL_S = 1.0   # prefill progress older than this no longer holds decode steps back
 WATCH_POLL_S = 0.0005   # how often a yield looks again whether the prefill step has ended
@@ -119,7 +117,7 @@ class DecodeLoop:
             table.on_prefill_idle = lambda: self._commands.put(_WAKE)
         # The event loop's side.
         self._held: dict[str, DecodeRequest] = {}    # every request whose pages the loop holds
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._commands = Mailbox()
         self._event_loop: asyncio.AbstractEventLoop | None = None
         # The loop thread's side.
         self._running: dict[str, DecodeRequest] = {}
@@ -156,7 +154,7 @@ class DecodeLoop:
         try:
             await self._thread.run(self._run)
         finally:
-            self._commands.put(_STOP)
+            self._commands.stop()
             self._thread.stop()
 
     def add(self, req: DecodeRequest) -> None:
@@ -194,7 +192,7 @@ class DecodeLoop:
 
     def shutdown(self, timeout_s: float = 5.0) -> bool:
         """Stops the loop thread; whether it has ended (it is waited for up to ``timeout_s``)."""
-        self._commands.put(_STOP)
+        self._commands.stop()
         return self._thread.stop(timeout_s)
 
     # The loop thread's side.
@@ -257,24 +255,19 @@ class DecodeLoop:
 
     def _take_commands(self, block: bool, timeout: float | None = None) -> bool:
         """New requests and cancels; False once the loop must stop."""
-        while True:
-            try:
-                command = self._commands.get(block=block, timeout=timeout)
-            except queue.Empty:
-                return True
-            block = False
-            if command is _STOP:
-                return False
-            if command is _WAKE:
-                continue
-            if isinstance(command, DecodeRequest):
-                reason = command.finish_reason()
-                if reason is not None:   # prefill's token already ended it
-                    self._finish(command, [], reason)
-                else:
-                    self._waiting.append(command)
+        return self._commands.take(self._handle, block, timeout)
+
+    def _handle(self, command: object) -> None:
+        if command is _WAKE:
+            return
+        if isinstance(command, DecodeRequest):
+            reason = command.finish_reason()
+            if reason is not None:   # prefill's token already ended it
+                self._finish(command, [], reason)
             else:
-                self._cancel(command)
+                self._waiting.append(command)
+        else:
+            self._cancel(command)  # type: ignore[arg-type]
 
     def _cancel(self, request_id: str) -> None:
         req = self._running.get(request_id) or next(

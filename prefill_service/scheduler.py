@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import time
 from collections import deque
 from collections.abc import Callable
@@ -29,7 +28,7 @@ from pdserve.config import SCHEDULE_POLICIES
 from pdserve.engine.batch import SeqInput
 from pdserve.engine.gpu_share import PrefillActivity
 from pdserve.engine.runner import ModelRunner
-from pdserve.engine.step_loop import Overlap, StepThread, StepTimer
+from pdserve.engine.step_loop import Mailbox, Overlap, StepThread, StepTimer
 from pdserve.errors import InvalidRequest, Overloaded
 from pdserve.kvcache.prefix_pages import PrefixPages
 from pdserve.metrics import PrefillMetrics
@@ -43,7 +42,6 @@ log = logging.getLogger(__name__)
 PROFILER_CLOSE_S = 30.0   # shutdown waits this long for the loop thread to write a trace
 
 
-_STOP = object()
 _ADD, _ABORT, _FREE = object(), object(), object()   # commands to the loop thread
 
 
@@ -68,7 +66,7 @@ class PrefillScheduler:
         self.activity = activity     # tells decode workers on this GPU when a step runs
         # The event loop's side.
         self.handoffs = Handoffs(metrics, self._free_soon)
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._commands = Mailbox()
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._submitted = 0                             # prompts handed to the loop thread
         # The loop thread's side.
@@ -120,7 +118,7 @@ class PrefillScheduler:
             await self._thread.run(self._run)
         finally:
             lease_task.cancel()
-            self._commands.put(_STOP)
+            self._commands.stop()
             self._thread.stop()
 
     async def submit(self, task: PrefillTask) -> int:
@@ -188,7 +186,7 @@ class PrefillScheduler:
 
     async def shutdown(self) -> None:
         self.handoffs.close()
-        self._commands.put(_STOP)
+        self._commands.stop()
         # The loop ends after any step in flight (a trace being taken is written).
         ended = await asyncio.get_running_loop().run_in_executor(
             None, self._thread.stop, PROFILER_CLOSE_S)
@@ -236,24 +234,18 @@ class PrefillScheduler:
     def _take_commands(self, block: bool) -> bool:
         """New prompts, cancels and frees; waits for one while there is nothing to do (or
         until a waiting prompt's --max-queue-wait-s runs out). False once the loop must stop."""
-        timeout = self._next_expiry() if block else None
-        while True:
-            try:
-                command = self._commands.get(block=block, timeout=timeout)
-            except queue.Empty:
-                return True
-            block = False
-            if command is _STOP:
-                return False
-            kind, task = command
-            if kind is _ADD and task.aborted:   # aborted before the loop took it in
-                self._taken += 1
-            elif kind is _ADD:
-                self._waiting.append(task)
-            elif kind is _ABORT:
-                self._drop(task)
-            else:
-                self._free(task)
+        return self._commands.take(self._handle, block, self._next_expiry() if block else None)
+
+    def _handle(self, command: object) -> None:
+        kind, task = command  # type: ignore[misc]
+        if kind is _ADD and task.aborted:   # aborted before the loop took it in
+            self._taken += 1
+        elif kind is _ADD:
+            self._waiting.append(task)
+        elif kind is _ABORT:
+            self._drop(task)
+        else:
+            self._free(task)
 
     def _next_expiry(self) -> float | None:
         if self.max_queue_wait_s <= 0 or not self._waiting:

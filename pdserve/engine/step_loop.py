@@ -4,7 +4,7 @@ before collecting the one ahead of it, and the clock of their steps.
 Both loops are admit -> plan -> launch (and collect the step before) -> process, and both run
 whole on their worker's StepThread, so the event loop keeps serving gRPC while the host waits for
 the GPU and no gRPC work sits between two steps. Requests, cancels and frees reach a loop through
-a queue it reads between steps; what a step produced leaves in one callback onto the event loop.
+its Mailbox, read between steps; what a step produced leaves in one callback onto the event loop.
 """
 from __future__ import annotations
 
@@ -63,6 +63,36 @@ class StepThread:
                 future.set_exception(err)
             else:
                 future.set_result(result)
+
+
+class Mailbox:
+    """What other threads tell a loop thread (requests, cancels, frees), read between steps."""
+
+    _STOP = object()
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+
+    def put(self, command: object) -> None:
+        self._queue.put(command)
+
+    def stop(self) -> None:
+        """The loop ends at its next read."""
+        self._queue.put(self._STOP)
+
+    def take(self, handle: Callable[[object], None], block: bool,
+             timeout: float | None = None) -> bool:
+        """Hands every command waiting to ``handle``, in order; with ``block``, first waits
+        up to ``timeout`` (None: however long) for one. False once the loop must stop."""
+        while True:
+            try:
+                command = self._queue.get(block=block, timeout=timeout)
+            except queue.Empty:
+                return True
+            block = False
+            if command is self._STOP:
+                return False
+            handle(command)
 
 
 class Overlap(Generic[S]):
