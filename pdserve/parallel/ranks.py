@@ -117,7 +117,6 @@ class RankedRunner:
         self.device = self.local.device
         self.profiler = self.local.profiler
         self.backend_name = self.local.backend_name
-        self.graphs = None
         self.splits = _head_splits(self.model_config, size)
         self.layout = layout = dataclasses.replace(self.local.layout,
                                                    num_kv_heads=self.model_config.num_kv_heads)
