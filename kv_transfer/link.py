@@ -12,7 +12,8 @@ import grpc
 
 from kv_transfer import create_sender, gpu_uuid, host_identity, usable_engines, visible_gpu_uuids
 from kv_transfer.base import KVTarget, Peer, Sender
-from pdserve.errors import ANSWERED, LayoutMismatch, PdserveError, TransferFailed, status_code
+from pdserve.errors import (ANSWERED, UNREACHABLE, LayoutMismatch, PdserveError, TransferFailed,
+                            status_code)
 from pdserve.grpc_util import channel
 from pdserve.kvcache.pool import KVPool
 from pdserve.proto_convert import layout_to_proto
@@ -120,7 +121,7 @@ class Reports:
 
     def _failed(self, code: grpc.StatusCode, details: str | None) -> TransferFailed:
         return TransferFailed(f"KV transfer to {self.peer.address} failed: {code.name}: {details}",
-                              peer_answered=code in ANSWERED)
+                              peer_answered=code in ANSWERED, peer_unreachable=code in UNREACHABLE)
 
 
 class DecodeLinks:
@@ -174,7 +175,8 @@ class DecodeLinks:
         except grpc.aio.AioRpcError as err:
             if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 raise LayoutMismatch(f"decode {address} refused us: {err.details()}") from err
-            raise TransferFailed(f"handshake with {address}: {err.details()}") from err
+            raise TransferFailed(f"handshake with {address}: {err.details()}",
+                                 peer_unreachable=err.code() in UNREACHABLE) from err
         log.info("KV transfer to %s: %r engine (%s)", address, reply.engine, reply.reason)
         peer = Peer(address, stub, reply.engine_metadata, reply.host, reply.gpu_uuid)
         try:
@@ -204,7 +206,8 @@ class DecodeLinks:
             reply = await self._stub(address).Renew(kv_transfer_pb2.RenewRequest(request_ids=request_ids),
                                      timeout=self.timeout_s)
         except grpc.aio.AioRpcError as err:
-            raise TransferFailed(f"renewing leases at {address}: {err.details()}") from err
+            raise TransferFailed(f"renewing leases at {address}: {err.details()}",
+                                 peer_unreachable=err.code() in UNREACHABLE) from err
         return list(reply.gone)
 
     def _stub(self, address: str) -> kv_transfer_pb2_grpc.KVTransferServiceStub:

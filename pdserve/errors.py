@@ -8,6 +8,7 @@ class PdserveError(Exception):
     """Base class: an error with a message meant for the client."""
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    trailers: tuple[tuple[str, str], ...] = ()   # trailing metadata sent with the status
 
 
 class InvalidRequest(PdserveError):
@@ -44,10 +45,25 @@ class TransferFailed(PdserveError):
 
     code = grpc.StatusCode.ABORTED
 
-    def __init__(self, message: str, peer_answered: bool = False) -> None:
+    def __init__(self, message: str, peer_answered: bool = False,
+                 peer_unreachable: bool = False) -> None:
         super().__init__(message)
         # The decode worker answered (say, NOT_FOUND): the request failed, the link is sound.
         self.peer_answered = peer_answered
+        # The decode worker could not be reached at all: it is at fault, not this worker.
+        self.peer_unreachable = peer_unreachable
+
+    @property
+    def trailers(self) -> tuple[tuple[str, str], ...]:
+        return ((AT_FAULT_KEY, "decode"),) if self.peer_unreachable else ()
+
+
+# Trailing metadata by which a prefill worker names the worker at fault for its failure
+# (``decode``: its decode peer could not be reached), so the router retries without that one.
+AT_FAULT_KEY = "pdserve-at-fault"
+
+# The gRPC codes of a peer that did not answer at all (as opposed to answering an error).
+UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
 
 
 ANSWERED = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT,

@@ -190,7 +190,7 @@ def map_errors(handler: Callable) -> Callable:
             try:
                 return await handler(self, parsed(request), context)
             except PdserveError as err:
-                await context.abort(err.code, str(err))
+                await context.abort(err.code, str(err), err.trailers)
         return unary
 
     @functools.wraps(handler)
@@ -199,7 +199,7 @@ def map_errors(handler: Callable) -> Callable:
             async for item in handler(self, parsed(request), context):
                 yield item
         except PdserveError as err:
-            await context.abort(err.code, str(err))
+            await context.abort(err.code, str(err), err.trailers)
     return streaming
 
 

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from pdserve.config import RouterConfig
-from pdserve.errors import NoHealthyWorker, PdserveError, UpstreamError
+from pdserve.errors import AT_FAULT_KEY, NoHealthyWorker, PdserveError, UpstreamError
 from pdserve.metrics import RouterMetrics
 from pdserve.models.config import ModelConfig
 from pdserve.tokenizer import Tokenizer
@@ -47,6 +47,11 @@ MAX_ATTEMPTS = 4
 WORKER_RETURN_WAIT_S = 5.0    # how long a request whose workers died waits for a healthy one
 WORKER_RETURN_POLL_S = 0.25
 MAX_RECOVERIES = 2   # times a request may move to another pair after losing its decode worker
+
+
+def decode_at_fault(err: grpc.aio.AioRpcError) -> bool:
+    """Whether a prefill worker's failure names its decode peer as at fault."""
+    return (AT_FAULT_KEY, "decode") in tuple(err.trailing_metadata() or ())
 
 
 class DecodeLost(Exception):
@@ -164,7 +169,11 @@ class Generation:
             except NoHealthyWorker:
                 if last_error is None:
                     raise
-                gone = getattr(last_error, "worker_code", last_error.code) in WORKER_GONE
+                # Workers died under this request, or none of a role is healthy right now
+                # (a probe missed under load): wait a little rather than lose the request.
+                gone = (getattr(last_error, "worker_code", last_error.code) in WORKER_GONE
+                        or not self.workers.healthy("decode")
+                        or not self.workers.healthy("prefill"))
                 if not gone or time.monotonic() > wait_until:
                     log.info("request %s: no healthy worker left to try (%s)", job.request_id,
                              "waited" if gone else "not a worker loss")
@@ -228,6 +237,11 @@ class Generation:
         except grpc.aio.AioRpcError as err:
             if err.code() not in RETRYABLE:
                 raise upstream(err, pair.prefill) from err
+            if decode_at_fault(err):   # the prefill worker could not reach the decode worker
+                raise RetryElsewhere(UpstreamError(
+                    grpc.StatusCode.UNAVAILABLE, f"decode worker {pair.decode.address} "
+                    f"unreachable from prefill worker {pair.prefill.address}: {err.details()}"),
+                    pair.decode.address) from err
             if err.code() in WORKER_GONE:
                 self.workers.mark_unhealthy(pair.prefill, err.details() or "unavailable")
             raise RetryElsewhere(upstream(err, pair.prefill), "") from err

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import signal
 
+import grpc
 import pytest
-from conftest import pages_at_rest, start_roles
+from conftest import INTERNAL_METADATA, pages_at_rest, start_roles
 
 from pdserve.engine import local
+from pdserve.errors import AT_FAULT_KEY
 from pdserve.sampling_params import SamplingParams
-from protos.pdserve.v1 import generate_pb2
+from protos.pdserve.v1 import (decode_pb2, decode_pb2_grpc, generate_pb2, prefill_pb2,
+                               prefill_pb2_grpc, worker_pb2)
 
 
 @pytest.mark.parametrize("fault", ["killed", "frozen"])
@@ -49,4 +52,41 @@ def test_stream_survives_losing_its_decode_worker(tiny_runner, fault):
     finally:
         if lost is not None and fault == "frozen":
             cluster.processes[lost].send_signal(signal.SIGCONT)
+        cluster.stop()
+
+
+def test_decode_worker_its_prefill_cannot_reach_is_avoided(tiny_runner):
+    """A decode worker the router reaches but prefill cannot (it advertises an address nothing
+    listens on): prefill names it at fault, and every request finishes on the other one."""
+    cluster = start_roles(["prefill", "decode", "decode"],
+                          worker_flags={"decode1": ["--advertise-host", "127.0.0.2"]})
+    try:
+        # Straight to the unreachable worker: prefill's failure carries the at-fault trailer.
+        reserved = decode_pb2_grpc.DecodeServiceStub(
+            grpc.insecure_channel(cluster.addresses["decode1"])).Reserve(
+            decode_pb2.ReserveRequest(request_id="direct", prompt_len=3, max_new_tokens=2),
+            timeout=10, metadata=INTERNAL_METADATA)
+        prefill = prefill_pb2_grpc.PrefillServiceStub(
+            grpc.insecure_channel(cluster.addresses["prefill0"]))
+        with pytest.raises(grpc.RpcError) as err:
+            prefill.Prefill(prefill_pb2.PrefillRequest(
+                request_id="direct", prompt_token_ids=[1, 2, 3], kv_target=reserved.kv_target,
+                sampling=worker_pb2.WorkerSampling(max_new_tokens=2, top_p=1.0,
+                                                   repetition_penalty=1.0)),
+                timeout=30, metadata=INTERNAL_METADATA)
+        assert "handshake with 127.0.0.2" in err.value.details()
+        assert (AT_FAULT_KEY, "decode") in err.value.trailing_metadata()
+
+        # Through the router: each request that lands on decode1 first moves to decode0.
+        params = SamplingParams(max_new_tokens=6)
+        for i in range(6):
+            prompt = list(f"avoid the unreachable one {i}".encode())
+            ids = [t for r in cluster.stub().Generate(generate_pb2.GenerateRequest(
+                token_ids=generate_pb2.TokenIds(ids=prompt), stream=True,
+                sampling=generate_pb2.SamplingParams(max_new_tokens=6, ignore_eos=True)),
+                timeout=60) for t in r.token_ids]
+            assert ids == local.generate(tiny_runner, prompt, params)
+        assert pages_at_rest(cluster.wait_at_rest(["prefill0", "decode0"])["decode0"])
+        assert pages_at_rest(cluster.wait_at_rest(["decode1"])["decode1"])
+    finally:
         cluster.stop()
