@@ -52,8 +52,14 @@ class EngineConfig(ModelSource):
                                 "e4m3 at load, a scale per output channel (lm_head stays "
                                 "16-bit); empty: the weights as the checkpoint has them (FP8 "
                                 "checkpoints, quant_method fp8 or compressed-tensors, load as "
-                                "FP8 either way). On CUDA FP8 weights are dequantized at load "
-                                "for now", choices=("", "fp8"))
+                                "FP8 either way)", choices=("", "fp8"))
+    fp8_gemm: str = setting("auto", "how FP8 linear layers compute: scaled_mm (FP8 GEMMs, "
+                            "activations quantized per token, or per token and 128 columns "
+                            "for 128x128 block checkpoints; on the CPU block layers are "
+                            "emulated), dequantize (16-bit GEMMs on the dequantized weights: "
+                            "widened at load on CUDA, at each step on the CPU), auto "
+                            "(scaled_mm on CUDA, dequantize on the CPU)",
+                            choices=("auto", "scaled_mm", "dequantize"))
     device: str = setting("auto", "auto (cuda if available, else cpu), cpu, cuda, cuda:N")
     seed: int = setting(0, "seed of a preset's random weights")
     page_size: int = setting(16, "tokens per KV page (prefill and decode must agree)")

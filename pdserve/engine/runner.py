@@ -117,7 +117,8 @@ class ModelRunner:
                                 fused_rope_kv=config.fused_rope_kv and not fp8_kv,
                                 triton_gemv=config.triton_gemv,
                                 max_model_len=config.max_model_len,
-                                quantization=config.quantization, tp=tp)
+                                quantization=config.quantization, tp=tp,
+                                fp8_gemm=config.fp8_gemm)
         self.model_config = self.model.config
         heads = self.model.heads   # this rank's
         dtype = next(self.model.parameters()).dtype

@@ -17,12 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.models import fp8_gemm
 from pdserve.models.quant_config import Fp8Scheme
 
 log = logging.getLogger(__name__)
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8_DTYPE).max
+FP8_DTYPE = fp8_gemm.FP8_DTYPE
+FP8_MAX = fp8_gemm.FP8_MAX
 # Checkpoint names of a weight's scale (dequantization multipliers, whatever the name says) and
 # of a static input scale.
 WEIGHT_SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
@@ -51,6 +52,11 @@ class Fp8Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.blocked = block_size is not None
+        self.block_size = block_size
+        # The FP8 GEMM forward uses ("rowwise", "blockwise"; fp8_gemm.py), or "" for the
+        # dequantized weight; its weight scales in the kernel's layout.
+        self.kernel = ""
+        self.kernel_scales: torch.Tensor | None = None
         self.block_rows = block_size[0] if block_size else out_features
         self.block_cols = block_size[1] if block_size else in_features
         col_blocks = -(-in_features // self.block_cols)
@@ -77,14 +83,31 @@ class Fp8Linear(nn.Module):
             weight[:, full * self.block_cols:].mul_(self.weight_scale[:, full:])
         return weight.to(dtype)
 
+    def use_kernel(self, kernel: str) -> None:
+        """Computes with FP8 GEMM ``kernel`` ("rowwise", "blockwise"; "": the dequantized
+        weight) from now on; fp8_gemm.kernel_for says which this layer can use."""
+        self.kernel = kernel
+        if kernel == "rowwise":
+            self.kernel_scales = self.weight_scale.reshape(1, -1).contiguous()
+        elif kernel == "blockwise":
+            self.kernel_scales = fp8_gemm.block_scales(self.weight_scale, self.out_features,
+                                                       self.in_features, self.block_size)
+            assert self.kernel_scales is not None, "not whole 128x128 blocks"
+        else:
+            self.kernel_scales = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "rowwise":
+            return fp8_gemm.rowwise_mm(x, self.weight, self.kernel_scales, self.bias)
+        if self.kernel == "blockwise":
+            return fp8_gemm.blockwise_mm(x, self.weight, self.kernel_scales, self.bias)
         # Dequantized on every forward, not cached: the layer holds only FP8 bytes (what the
         # FP8 path is for), and the CPU path this serves is for tests and small models.
         return F.linear(x, self.dequantized(x.dtype), self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"block_cols={self.block_cols}")
+                f"block_cols={self.block_cols}, kernel={self.kernel or 'dequantized'}")
 
 
 def hf_names(name: str) -> list[str]:
@@ -153,20 +176,57 @@ def quantize_linears(net: nn.Module, scheme: Fp8Scheme) -> int:
 
 
 @torch.no_grad()
+def choose_kernels(net: nn.Module, mode: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Sets how each Fp8Linear computes (--fp8-gemm ``mode``, see fp8_gemm.py) and returns a
+    summary for the load log. On CUDA a layer left without an FP8 GEMM becomes a 16-bit
+    nn.Linear (dequantized once); on the CPU it widens its FP8 weight at each forward."""
+    scaled_mm = mode == "scaled_mm" or (mode == "auto" and device.type == "cuda")
+    counts: dict[str, int] = {}
+    reasons: dict[str, str] = {}
+    checked: dict[tuple, str] = {}   # (kernel, shape): the self-check's finding, once per shape
+    for name, layer in list(net.named_modules()):
+        if not isinstance(layer, Fp8Linear):
+            continue
+        kernel, why = fp8_gemm.kernel_for(layer, device) if scaled_mm else ("", "")
+        if kernel:
+            layer.use_kernel(kernel)
+            key = (kernel, layer.out_features, layer.in_features)
+            if device.type == "cuda" and key not in checked:
+                checked[key] = fp8_gemm.agrees(layer, dtype)
+            why = checked.get(key, "")
+            if why:
+                layer.use_kernel("")
+                kernel = ""
+        if not kernel and device.type == "cuda":
+            dequantize_linear(net, name, dtype)
+        counts[kernel or "dequantized"] = counts.get(kernel or "dequantized", 0) + 1
+        if why:
+            reasons.setdefault(why, name)
+    summary = ", ".join(f"{n} {k}" for k, n in counts.items())
+    for why, name in reasons.items():
+        log.warning("FP8 GEMM: %s and layers like it compute with dequantized weights: %s",
+                    name, why)
+    return summary
+
+
 def dequantize_linears(net: nn.Module, dtype: torch.dtype) -> int:
-    """Every Fp8Linear back to an nn.Linear in ``dtype`` holding its dequantized weight (the
-    CUDA path until the FP8 GEMMs land: the values are the FP8 model's, the bytes 16-bit).
-    Returns how many were."""
+    """Every Fp8Linear as a 16-bit nn.Linear (dequantize_linear); returns how many were."""
     names = [name for name, m in net.named_modules() if isinstance(m, Fp8Linear)]
     for name in names:
-        fp8 = net.get_submodule(name)
-        with torch.device("meta"):
-            linear = nn.Linear(fp8.in_features, fp8.out_features, bias=fp8.bias is not None)
-        linear.weight = nn.Parameter(fp8.dequantized(dtype), requires_grad=False)
-        if fp8.bias is not None:
-            linear.bias = nn.Parameter(fp8.bias.data.to(dtype), requires_grad=False)
-        net.set_submodule(name, linear)
+        dequantize_linear(net, name, dtype)
     return len(names)
+
+
+def dequantize_linear(net: nn.Module, name: str, dtype: torch.dtype) -> None:
+    """The Fp8Linear ``name`` replaced by an nn.Linear in ``dtype`` holding its dequantized
+    weight (the values are the FP8 model's, the bytes 16-bit)."""
+    fp8 = net.get_submodule(name)
+    with torch.device("meta"):
+        linear = nn.Linear(fp8.in_features, fp8.out_features, bias=fp8.bias is not None)
+    linear.weight = nn.Parameter(fp8.dequantized(dtype), requires_grad=False)
+    if fp8.bias is not None:
+        linear.bias = nn.Parameter(fp8.bias.data.to(dtype), requires_grad=False)
+    net.set_submodule(name, linear)
 
 
 def scale_rows(module: Fp8Linear, key: str, scale: torch.Tensor, rows: int) -> torch.Tensor:

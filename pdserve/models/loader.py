@@ -36,11 +36,13 @@ def resolve_dtype(requested: str, config: ModelConfig) -> torch.dtype:
 def load_model(model: str, dtype: str, device: torch.device, seed: int = 0,
                kernels: bool = True, fused_rope_kv: bool = True,
                triton_gemv: bool = True, max_model_len: int = 0,
-               quantization: str = "", tp: TPGroup | None = None) -> CausalLM:
+               quantization: str = "", tp: TPGroup | None = None,
+               fp8_gemm: str = "auto") -> CausalLM:
     """The model in ``dtype`` ("auto": the checkpoint's) on ``device``, ready for inference;
     with ``kernels``, its elementwise ops run as CUDA kernels where the device allows;
     ``max_model_len`` (0: the model's own) caps its context; ``quantization`` "fp8" quantizes
-    a 16-bit model's linear layers to FP8 (an FP8 checkpoint is FP8 either way). With a
+    a 16-bit model's linear layers to FP8 (an FP8 checkpoint is FP8 either way), which
+    compute as ``fp8_gemm`` says (fp8.choose_kernels). With a
     ``tp`` group of several ranks, this rank's share of it (see CausalLM): the same weights,
     checkpoint or preset, sliced."""
     from pdserve.models.quant_config import (
@@ -87,12 +89,8 @@ def load_model(model: str, dtype: str, device: torch.device, seed: int = 0,
     if any(isinstance(m, fp8.Fp8Linear) for m in net.modules()):
         log.info("weights: %s (%s)", fp8.describe(net),
                  scheme.method if scheme else "--quantization fp8, per-channel scales")
-        if device.type == "cuda":
-            # No FP8 GEMMs yet: on CUDA the FP8 values compute as 16-bit weights, dequantized
-            # here once (the GPU holds 16-bit bytes) until the FP8 kernels land.
-            fp8.dequantize_linears(net, torch_dtype)
-            log.warning("weights: FP8 dequantized to %s at load (no FP8 GEMMs on CUDA yet)",
-                        str(torch_dtype).removeprefix("torch."))
+        log.info("FP8 GEMMs (--fp8-gemm %s): %s", fp8_gemm,
+                 fp8.choose_kernels(net, fp8_gemm, device, torch_dtype))
     if config.num_experts and device.type == "cuda":
         log.warning("experts: the fused MoE kernels are not wired yet; %d experts per layer "
                     "run a reference loop (every expert for every token inside CUDA graphs): "

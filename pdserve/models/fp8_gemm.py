@@ -1,0 +1,129 @@
+"""FP8 GEMMs for Fp8Linear: activations quantized on the fly, weights read as FP8 bytes.
+
+Two kernels, both ``torch._scaled_mm`` (cuBLASLt's FP8 tensor-core GEMMs on Hopper):
+
+- ``rowwise``: per-output-channel (or per-tensor) weight scales, activations quantized per
+  token (one scale per row). The CPU has this kernel too, so CI runs the same code.
+- ``blockwise``: 128x128 block weight scales (Qwen3-*-FP8, DeepSeek), activations quantized per
+  token and 128-column group. CUDA only (Hopper); on the CPU the same quantization feeds an
+  emulated GEMM, so the layouts are tested without a GPU.
+
+A static input scale of a checkpoint is not used: per-token scales are at least as accurate.
+``choose`` picks a layer's kernel; on CUDA it runs the kernel once against the dequantized
+weights and keeps it only if it agrees, so a cuBLAS build without a mode costs speed, not
+correctness.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max
+BLOCK = 128
+# Smallest scale: an all-zero row quantizes to zeros instead of dividing by zero.
+MIN_SCALE = 1e-12
+# The self-check's bound on |kernel - reference| / max|reference| (FP8 activations: ~2^-4).
+CHECK_TOLERANCE = 0.1
+
+FP8_GEMM_MODES = ("auto", "scaled_mm", "dequantize")
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [M, K] as FP8 and float32 scales [M, 1] (each row's largest magnitude maps to the
+    format's largest value)."""
+    scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_(min=MIN_SCALE)
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [M, K] (K a multiple of 128) as FP8 and float32 scales [M, K/128], one per row and
+    128-column group, the scales column-major (what the blockwise GEMM reads)."""
+    rows, cols = x.shape
+    groups = x.view(rows, cols // BLOCK, BLOCK)
+    scale = (groups.abs().amax(dim=-1).float() / FP8_MAX).clamp_(min=MIN_SCALE)
+    quantized = (groups.float() / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    column_major = torch.empty(cols // BLOCK, rows, dtype=torch.float32, device=x.device).t()
+    column_major.copy_(scale)
+    return quantized.view(rows, cols), column_major
+
+
+def rowwise_mm(x: torch.Tensor, weight: torch.Tensor, scale_n: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """``x`` [..., K] times FP8 ``weight`` [N, K] with scales ``scale_n`` [1, N]."""
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.shape[0] == 0:
+        return x.new_empty(*x.shape[:-1], weight.shape[0])
+    quantized, scale_m = quantize_rows(flat)
+    out = torch._scaled_mm(quantized, weight.t(), scale_a=scale_m, scale_b=scale_n,
+                           out_dtype=x.dtype, bias=bias)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def blockwise_mm(x: torch.Tensor, weight: torch.Tensor, block_scales: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """``x`` [..., K] times FP8 ``weight`` [N, K] with 128x128 block scales [N/128, K/128]."""
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.shape[0] == 0:
+        return x.new_empty(*x.shape[:-1], weight.shape[0])
+    quantized, scale_m = quantize_groups(flat)
+    if x.is_cuda:
+        out = torch._scaled_mm(quantized, weight.t(), scale_a=scale_m, scale_b=block_scales.t(),
+                               out_dtype=x.dtype)
+    else:   # no blockwise kernel on the CPU: the same operands, widened
+        a = (quantized.float().unflatten(1, (-1, BLOCK)) * scale_m[..., None]).flatten(1)
+        b = (weight.float().unflatten(0, (-1, BLOCK)).unflatten(2, (-1, BLOCK))
+             * block_scales[:, None, :, None]).flatten(2).flatten(0, 1)
+        out = (a @ b.t()).to(x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def block_scales(weight_scale: torch.Tensor, out_features: int, in_features: int,
+                 block: tuple[int, int] | None) -> torch.Tensor | None:
+    """The [N/128, K/128] block scales behind Fp8Linear's per-row layout, or None where the
+    layer is not made of whole 128x128 blocks (a fused layer whose parts end mid-block)."""
+    if (block != (BLOCK, BLOCK) or out_features % BLOCK or in_features % BLOCK
+            or weight_scale.shape[1] != in_features // BLOCK):
+        return None
+    blocks = weight_scale[::BLOCK].contiguous()
+    if not torch.equal(blocks.repeat_interleave(BLOCK, dim=0), weight_scale):
+        return None
+    return blocks
+
+
+def kernel_for(layer: torch.nn.Module, device: torch.device) -> tuple[str, str]:
+    """The FP8 GEMM ``layer`` (an Fp8Linear) can use on ``device``: ("rowwise" | "blockwise" |
+    "", why not)."""
+    n, k = layer.out_features, layer.in_features
+    if layer.weight_scale.shape[1] == 1:
+        if device.type == "cuda" and (n % 16 or k % 16):
+            return "", f"{n}x{k} is not a multiple of 16"
+        return "rowwise", ""
+    if block_scales(layer.weight_scale, n, k, layer.block_size) is None:
+        return "", f"{n}x{k} is not whole 128x128 blocks"
+    return "blockwise", ""
+
+
+@torch.no_grad()
+def agrees(layer: torch.nn.Module, dtype: torch.dtype) -> str:
+    """'' if ``layer``'s FP8 GEMM matches its dequantized weights on random inputs (a few row
+    counts), else what went wrong."""
+    generator = torch.Generator(device=layer.weight.device).manual_seed(0)
+    reference_weight = layer.dequantized(dtype)
+    for rows in (1, 5, 64):
+        x = torch.randn(rows, layer.in_features, generator=generator,
+                        device=layer.weight.device).to(dtype)
+        try:
+            got = layer(x).float()
+        except RuntimeError as err:
+            return f"{type(err).__name__}: {str(err).splitlines()[0]}"
+        want = torch.nn.functional.linear(x, reference_weight, layer.bias).float()
+        error = ((got - want).abs().max() / want.abs().max().clamp(min=1e-6)).item()
+        if not error <= CHECK_TOLERANCE:
+            return f"relative error {error:.3g} at {rows} rows"
+    return ""
