@@ -69,8 +69,7 @@ class EngineConfig(ModelSource):
                                "activations and graphs, on the CPU 1 GiB")
     kv_cache_dtype: str = setting("auto", "KV pool dtype: auto (the model's, --dtype), bfloat16, "
                                   "or fp8_e4m3 (float8 e4m3, one scale per layer for K and V, "
-                                  "1.0: twice bfloat16's tokens per GiB; for now with "
-                                  "--attention-backend torch only on CUDA); prefill and decode "
+                                  "1.0: twice bfloat16's tokens per GiB); prefill and decode "
                                   "must agree", choices=("auto", "bfloat16", "fp8_e4m3"))
     gpu_memory_utilization: float = setting(0.9, "with --kv-cache-gb auto on CUDA, the share of "
                                             "the GPU's memory this worker may use in all; `up` "

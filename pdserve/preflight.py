@@ -47,7 +47,6 @@ def check_engine(config: EngineConfig) -> None:
         raise ConfigError(f"--num-pages {config.num_pages}: must be 0 (sized by --kv-cache-gb) "
                           "or more")
     kv_cache_gib(config.kv_cache_gb)
-    check_kv_cache_dtype(config)
     parse_steps(config.profile_steps)
     check_tensor_parallel(config)
     if not 0 < config.gpu_memory_utilization <= 1:
@@ -70,22 +69,6 @@ def check_tensor_parallel(config: EngineConfig) -> None:
     if not on_cpu:
         raise ConfigError(f"--tensor-parallel-size {size}: ranks run on the CPU for now "
                           "(--device cpu); on CUDA use 1")
-
-
-def check_kv_cache_dtype(config: EngineConfig) -> None:
-    """FP8 pages are read by the torch backend alone for now: FA3 and FlashInfer are not wired
-    to FP8 KV yet, so on CUDA fp8_e4m3 needs --attention-backend torch."""
-    if config.kv_cache_dtype != "fp8_e4m3" or config.attention_backend == "torch":
-        return
-    on_cuda = config.device.startswith("cuda")
-    if config.device == "auto":
-        import torch
-
-        on_cuda = torch.cuda.is_available()
-    if on_cuda:
-        raise ConfigError(f"--kv-cache-dtype fp8_e4m3 needs --attention-backend torch on CUDA for "
-                          f"now (got {config.attention_backend}: the fa and fi kernels do not "
-                          "read FP8 KV pages yet)")
 
 
 def kv_cache_gib(value: str) -> float | None:

@@ -18,10 +18,9 @@ from kv_transfer.service import KVTransferServicer
 from pdserve.config import EngineConfig
 from pdserve.engine.batch import SeqInput
 from pdserve.engine.runner import ModelRunner
-from pdserve.errors import ConfigError, LayoutMismatch
+from pdserve.errors import LayoutMismatch
 from pdserve.kvcache.kv_dtype import FP8_E4M3, quantize_fp8
 from pdserve.kvcache.pool import KVLayout
-from pdserve.preflight import check_kv_cache_dtype
 from protos.pdserve.v1 import generate_pb2
 
 FP8 = ["--kv-cache-dtype", "fp8_e4m3"]
@@ -121,19 +120,6 @@ def test_handshake_refuses_fp8_pages_into_a_bfloat16_pool():
         finally:
             await server.stop(0)
     asyncio.run(scenario())
-
-
-def test_fp8_on_cuda_needs_the_torch_backend():
-    for device in ("cuda", "cuda:1"):
-        for backend in ("auto", "fa", "fi"):
-            with pytest.raises(ConfigError, match="--kv-cache-dtype fp8_e4m3 needs "
-                                                  "--attention-backend torch"):
-                check_kv_cache_dtype(EngineConfig(device=device, attention_backend=backend,
-                                                  kv_cache_dtype="fp8_e4m3"))
-        check_kv_cache_dtype(EngineConfig(device=device, attention_backend="torch",
-                                          kv_cache_dtype="fp8_e4m3"))
-        check_kv_cache_dtype(EngineConfig(device=device, kv_cache_dtype="bfloat16"))
-    check_kv_cache_dtype(EngineConfig(device="cpu", kv_cache_dtype="fp8_e4m3"))
 
 
 def test_fp8_kv_stays_close_to_bfloat16_kv_teacher_forced():

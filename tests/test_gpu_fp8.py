@@ -1,20 +1,29 @@
-"""FP8 GEMMs on the GPU (run on the GPU machine): torch._scaled_mm's rowwise and blockwise
-kernels against the dequantized weights, inside decode's CUDA graphs, and a block checkpoint
-against the CPU's emulation of the same kernel."""
+"""FP8 on the GPU (run on the GPU machine): torch._scaled_mm's rowwise and blockwise kernels
+against the dequantized weights, inside decode's CUDA graphs, and a block checkpoint against the
+CPU's emulation of the same kernel; FA3 and FlashInfer over an FP8 KV pool against the torch
+backend over the same pages, and FP8 KV workers against the single process."""
 from __future__ import annotations
 
 import random
 
 import pytest
 import torch
+from conftest import start_cluster, stop_cluster
 from test_fp8_gemm import MIN_TOP1_AGREEMENT, _greedy_agreement, fp8_layer
 from test_fp8_weights import BLOCK_FP8, VOCAB, hf_model, write_fp8_folder
+from test_gpu import DECODE_SHAPES, HEAD_DIM, HEADS, KV_HEADS, PREFILL_SHAPES, _seqs
 
+from pdserve.attention import create_backend
 from pdserve.config import EngineConfig
-from pdserve.engine.batch import SeqInput
+from pdserve.engine import local
+from pdserve.engine.batch import ForwardBatch, SeqInput
 from pdserve.engine.runner import ModelRunner
+from pdserve.kvcache.kv_dtype import FP8_E4M3, quantize_fp8
+from pdserve.kvcache.pool import KVLayout, KVPool
 from pdserve.models import fp8_gemm
 from pdserve.models.fp8 import Fp8Linear
+from pdserve.sampling_params import SamplingParams
+from protos.pdserve.v1 import generate_pb2
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -84,3 +93,76 @@ def test_block_checkpoint_on_the_gpu_matches_the_cpu_emulation(tmp_path):
               for device, r in runners.items()}
     cosine = torch.nn.functional.cosine_similarity(logits["cpu"], logits["cuda"], dim=-1)
     assert cosine.min() > 0.99, cosine
+
+
+def _fp8_pool(page_size: int) -> KVPool:
+    """One layer of random FP8 pages, K stored at scale 0.5 and V at 2."""
+    layout = KVLayout("m", "float8_e4m3fn", page_size, 1, KV_HEADS, HEAD_DIM)
+    pool = KVPool(layout, num_pages=4096 // page_size + 64, dtype=FP8_E4M3, device=CUDA,
+                  k_scales=[0.5], v_scales=[2.0])
+    values = torch.randn(pool.tensor.shape, generator=torch.Generator().manual_seed(1))
+    pool.tensor.copy_(quantize_fp8(values, 1.0).to(CUDA))
+    return pool
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("backend, shapes", [("fa", PREFILL_SHAPES), ("fa", DECODE_SHAPES),
+                                             ("fi", PREFILL_SHAPES), ("fi", DECODE_SHAPES)],
+                         ids=["fa-prefill", "fa-decode", "fi-prefill", "fi-decode"])
+def test_kernels_read_fp8_pages_as_the_torch_backend_does(backend, shapes, page_size):
+    """The same step over the same FP8 pages: the same pages stored, and attention within FP8's
+    precision (FA3 also rounds the queries to e4m3)."""
+    outputs = {}
+    for name in (backend, "torch"):
+        pool = _fp8_pool(page_size)
+        batch = ForwardBatch.build(_seqs(pool, shapes), page_size, CUDA)
+        gen = torch.Generator(device=CUDA).manual_seed(2)
+        n = batch.input_ids.shape[0]
+        q, k, v = (torch.randn(n, heads, HEAD_DIM, device=CUDA, generator=gen).bfloat16()
+                   for heads in (HEADS, KV_HEADS, KV_HEADS))
+        attn = create_backend(name, pool, HEADS, HEAD_DIM, torch.bfloat16)
+        attn.prepare_metadata(batch)
+        out = attn.forward(q, k, v, 0, batch)
+        assert out.dtype == torch.bfloat16
+        outputs[name] = (out.float(), pool.tensor.view(torch.uint8).clone())
+    got, want = outputs[backend][0], outputs["torch"][0]
+    error = (got - want).abs().max() / want.abs().max()
+    cosine = torch.nn.functional.cosine_similarity(got.flatten(1), want.flatten(1), dim=-1)
+    assert error < (0.1 if backend == "fa" else 2e-2) and cosine.min() > 0.99, (error, cosine)
+    assert torch.equal(outputs[backend][1], outputs["torch"][1])
+
+
+def test_fp8_kv_decode_in_cuda_graphs_stays_close_to_bfloat16_kv():
+    runners = {kv: _decode_runner("qwen3-0.6b", kv_cache_dtype=kv)
+               for kv in ("bfloat16", "fp8_e4m3")}
+    assert runners["fp8_e4m3"].graphs is not None and runners["fp8_e4m3"].backend_name == "fi"
+    agreement = _greedy_agreement(runners["fp8_e4m3"], runners["bfloat16"])
+    print(f"qwen3-0.6b: FP8 vs bfloat16 KV on the GPU, teacher-forced top-1 agreement "
+          f"{agreement:.3f}")
+    assert agreement >= MIN_TOP1_AGREEMENT
+
+
+def test_cluster_with_fp8_weights_and_kv_matches_the_single_process():
+    """Prefill on FA3 and decode on FlashInfer, both over FP8 pages, against one process that
+    prefills and decodes on the same kernels: greedy tokens of a burst agree in most places."""
+    flags = ["--model", "qwen3-0.6b", "--kv-cache-dtype", "fp8_e4m3", "--quantization", "fp8"]
+    cluster = start_cluster(flags)
+    try:
+        single = ModelRunner(EngineConfig(model="qwen3-0.6b", kv_cache_dtype="fp8_e4m3",
+                                          quantization="fp8", num_pages=2048), "decode")
+        rng = random.Random(4)
+        same = total = 0
+        for _ in range(8):
+            prompt = [rng.randrange(1000) for _ in range(rng.randrange(20, 300))]
+            expected = local.generate(single, prompt, SamplingParams(max_new_tokens=16))
+            reply = list(cluster.stub().Generate(generate_pb2.GenerateRequest(
+                token_ids=generate_pb2.TokenIds(ids=prompt),
+                sampling=generate_pb2.SamplingParams(max_new_tokens=16, ignore_eos=True)),
+                timeout=120))
+            ids = [t for r in reply for t in r.token_ids]
+            assert len(ids) == 16
+            same += ids[0] == expected[0]
+            total += 1
+        assert same >= total - 2, (same, total)
+    finally:
+        stop_cluster(cluster)

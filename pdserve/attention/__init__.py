@@ -44,7 +44,9 @@ def resolve_backend(name: str, role: str, device: torch.device, dtype: torch.dty
     return preferred, f"{role} on {torch.cuda.get_device_name(device)}"
 
 
-def create_backend(name: str, pool: KVPool, num_heads: int, head_dim: int) -> AttentionBackend:
+def create_backend(name: str, pool: KVPool, num_heads: int, head_dim: int,
+                   q_dtype: torch.dtype | None = None) -> AttentionBackend:
+    """Backend ``name`` over ``pool``; ``q_dtype``: the model's dtype (default: the pool's)."""
     module_name, class_name = BACKENDS[name].split(":")
     backend_cls = getattr(importlib.import_module(module_name), class_name)
-    return backend_cls(pool, num_heads, head_dim)
+    return backend_cls(pool, num_heads, head_dim, q_dtype)

@@ -6,8 +6,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.errors import ConfigError
-
 if TYPE_CHECKING:
     from pdserve.engine.batch import ForwardBatch
     from pdserve.kvcache.pool import KVPool
@@ -16,11 +14,14 @@ if TYPE_CHECKING:
 class AttentionBackend(ABC):
     """Stores a step's new K/V into the paged pool and attends over all cached pages."""
 
-    def __init__(self, pool: KVPool, num_heads: int, head_dim: int) -> None:
+    def __init__(self, pool: KVPool, num_heads: int, head_dim: int,
+                 q_dtype: torch.dtype | None = None) -> None:
         self.pool = pool
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5
+        # The model's dtype: queries and outputs (an FP8 pool's pages are not).
+        self.q_dtype = q_dtype or pool.tensor.dtype
 
     @abstractmethod
     def prepare_metadata(self, batch: ForwardBatch) -> None:
@@ -51,9 +52,3 @@ class AttentionBackend(ABC):
         """Writes the new tokens' K/V into their slots (one scatter per cache; quantized in an
         FP8 pool)."""
         self.pool.store_kv(layer_id, batch.out_slots, k, v)
-
-    def refuse_fp8_pool(self) -> None:
-        """For kernels not yet wired to read FP8 pages: one clear error instead of garbage."""
-        if self.pool.quantized:
-            raise ConfigError(f"the {self.name!r} attention backend does not read an FP8 "
-                                      "KV cache yet: use --attention-backend torch")

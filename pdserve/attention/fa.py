@@ -4,6 +4,10 @@ One kernel per layer for the whole varlen batch: fresh prompts, prompts whose pr
 in the pool and later chunks of chunked prompts alike (the causal mask is aligned to the end of
 each sequence's keys). The step's new K/V are in their slots before it runs (one index_copy
 per cache, or stored by the fused RoPE kernel).
+
+Over an FP8 pool FA3 computes in FP8 throughout: it takes no 16-bit queries with FP8 keys, so the
+queries are cast to e4m3 (saturating), the layer's K and V scales go in as descale factors, and
+the output comes back in bf16.
 """
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import torch
 
 from pdserve.attention.base import AttentionBackend
 from pdserve.engine.batch import ForwardBatch
+from pdserve.kvcache.kv_dtype import FP8_E4M3, FP8_E4M3_MAX
 from pdserve.kvcache.pool import KVPool
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
@@ -20,19 +25,32 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 class FlashAttentionBackend(AttentionBackend):
     name = "fa"
 
-    def __init__(self, pool: KVPool, num_heads: int, head_dim: int) -> None:
-        super().__init__(pool, num_heads, head_dim)
-        self.refuse_fp8_pool()
+    def __init__(self, pool: KVPool, num_heads: int, head_dim: int,
+                 q_dtype: torch.dtype | None = None) -> None:
+        super().__init__(pool, num_heads, head_dim, q_dtype)
         from sgl_kernel.flash_attn import flash_attn_with_kvcache
 
         self._flash_attn = flash_attn_with_kvcache
+        # Each layer's K and V scales as the kernel reads them: [1, 1] float32 on the device,
+        # expanded (no copy) to [sequences, kv heads] per step.
+        self._descales = [
+            tuple(torch.tensor([[scale]], dtype=torch.float32, device=pool.tensor.device)
+                  for scale in (pool.k_scales[layer], pool.v_scales[layer]))
+            for layer in range(pool.layout.num_layers)] if pool.quantized else []
 
     def prepare_metadata(self, batch: ForwardBatch) -> None:
         batch.attn_metadata = None  # the kernel reads the batch's own tensors
 
     def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
-        return self._flash_attn(
+        fp8: dict[str, torch.Tensor] = {}
+        if self.pool.quantized:
+            q = q.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_E4M3)
+            shape = (batch.cu_seqlens_q.shape[0] - 1, self.pool.layout.num_kv_heads)
+            k_descale, v_descale = self._descales[layer_id]
+            fp8 = {"k_descale": k_descale.expand(shape), "v_descale": v_descale.expand(shape)}
+        out = self._flash_attn(
             q, self.pool.k_cache(layer_id), self.pool.v_cache(layer_id),
             page_table=batch.page_table, cache_seqlens=batch.seq_lens_kv,
             cu_seqlens_q=batch.cu_seqlens_q, max_seqlen_q=batch.max_seqlen_q,
-            softmax_scale=self.scale, causal=True)
+            softmax_scale=self.scale, causal=True, **fp8)
+        return out if out.dtype == self.q_dtype else out.to(self.q_dtype)

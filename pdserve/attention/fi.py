@@ -5,6 +5,10 @@ heads, or the batch has TENSOR_CORE_MIN_BATCH+ rows), prefill
 BatchPrefillWithPagedKVCacheWrapper. ``plan()`` runs once per step on host-side metadata;
 ``run()`` once per layer. For CUDA graphs each captured batch size has its own decode wrapper
 with fixed device buffers, re-planned before every replay.
+
+Over an FP8 pool the queries stay in the model's dtype: the kernels read e4m3 pages and take each
+layer's K and V scales as constants (in a captured graph too: the scales never change). Prefill
+then runs FlashInfer's FA2 kernels, which take 16-bit queries over FP8 pages.
 """
 from __future__ import annotations
 
@@ -95,9 +99,9 @@ class HostLengths(torch.Tensor):
 class FlashInferBackend(AttentionBackend):
     name = "fi"
 
-    def __init__(self, pool: KVPool, num_heads: int, head_dim: int) -> None:
-        super().__init__(pool, num_heads, head_dim)
-        self.refuse_fp8_pool()
+    def __init__(self, pool: KVPool, num_heads: int, head_dim: int,
+                 q_dtype: torch.dtype | None = None) -> None:
+        super().__init__(pool, num_heads, head_dim, q_dtype)
         flashinfer = import_flashinfer()
         self._fi = flashinfer
         device = pool.tensor.device
@@ -108,7 +112,11 @@ class FlashInferBackend(AttentionBackend):
             tensor_cores: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_tensor_cores=tensor_cores)
             for tensor_cores in {self.tensor_cores(1), True}}
-        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend="fa2" if pool.quantized else "auto")
+        # Each layer's (K, V) scales as run() takes them; none for a 16-bit pool.
+        self._scales = [{"k_scale": pool.k_scales[layer], "v_scale": pool.v_scales[layer]}
+                        if pool.quantized else {} for layer in range(pool.layout.num_layers)]
         self.graph_wrappers: dict[int, Any] = {}
         self._planned = torch.cuda.Event()
         self._planned.record()
@@ -141,13 +149,13 @@ class FlashInferBackend(AttentionBackend):
             # plan() would copy host indices with a copy that waits for the GPU to finish the
             # previous step; one through page-locked memory does not.
             indices = upload(indices.numpy(), self.pool.tensor.device)
-        dtype = self.pool.tensor.dtype
         # plan() stages its schedule in a page-locked host buffer and copies it up
         # asynchronously: the last plan's copy must have left that buffer before it is rewritten
         # (with overlap scheduling the host plans a step ahead of the GPU).
         self._planned.synchronize()
         wrapper.plan(indptr, indices, last, self.num_heads, self.pool.layout.num_kv_heads,
-                     self.head_dim, batch.page_size, q_data_type=dtype, kv_data_type=dtype,
+                     self.head_dim, batch.page_size, q_data_type=self.q_dtype,
+                     kv_data_type=self.pool.tensor.dtype,
                      sm_scale=self.scale, seq_lens=batch.seq_lens_kv_cpu.as_subclass(HostLengths),
                      non_blocking=True)
         self._planned.record()
@@ -159,18 +167,17 @@ class FlashInferBackend(AttentionBackend):
             batch.attn_metadata = wrapper
             return
         indptr, indices, last = self._paged_kv(batch)
-        dtype = self.pool.tensor.dtype
         self._planned.synchronize()
         self.prefill_wrapper.plan(batch.cu_seqlens_q_cpu, indptr, indices, last, self.num_heads,
                                   self.pool.layout.num_kv_heads, self.head_dim, batch.page_size,
-                                  causal=True, sm_scale=self.scale, q_data_type=dtype,
-                                  kv_data_type=dtype)
+                                  causal=True, sm_scale=self.scale, q_data_type=self.q_dtype,
+                                  kv_data_type=self.pool.tensor.dtype)
         self._planned.record()
         batch.attn_metadata = self.prefill_wrapper
 
     def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
         kv = (self.pool.k_cache(layer_id), self.pool.v_cache(layer_id))
-        return batch.attn_metadata.run(q.contiguous(), kv)
+        return batch.attn_metadata.run(q.contiguous(), kv, **self._scales[layer_id])
 
     # CUDA graphs (decode only)
     def init_capture_graph(self, max_seq_len: int, bs_list: list[int]) -> None:

@@ -145,7 +145,7 @@ class ModelRunner:
         self.backend_name, reason = resolve_backend(config.attention_backend, role, self.device,
                                                     dtype, self.model_config.head_dim)
         self.attn = create_backend(self.backend_name, self.pool, heads.num_heads,
-                                   self.model_config.head_dim)
+                                   self.model_config.head_dim, dtype)
         log.info("%s: model %s (%s) on %s; attention backend %r (%s); layer kernels %s; "
                  "%d KV pages of %d tokens (%d tokens, KV dtype %s)", role,
                  self.model_config.name, str(dtype).removeprefix("torch."), self.device,
