@@ -103,6 +103,10 @@ def main() -> None:
                         help="batch-1 linear layers through cuBLAS, not the Triton GEMV")
     parser.add_argument("--tp-shard", type=int, default=1, metavar="N",
                         help="time one rank of an N-way tensor-parallel split of a preset")
+    parser.add_argument("--quantization", default="", choices=("", "fp8"),
+                        help="fp8: the preset's linear layers in FP8 (FP8 GEMMs)")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        choices=("auto", "bfloat16", "fp8_e4m3"))
     parser.add_argument("--out", default="bench/results/decode.json")
     args = parser.parse_args()
     try:
@@ -115,12 +119,14 @@ def main() -> None:
                                       num_pages=max(sizes) * pages_per_seq + 64,
                                       cuda_graph_max_bs=max(sizes),
                                       fused_rope_kv=not args.unfused_rope_kv,
-                                      triton_gemv=not args.cublas_gemv), "decode")
+                                      triton_gemv=not args.cublas_gemv,
+                                      quantization=args.quantization,
+                                      kv_cache_dtype=args.kv_cache_dtype), "decode")
     cfg = runner.model_config
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     if cfg.tie_word_embeddings:  # the embedding table is read as the LM head too
         weight_bytes += runner.model.embed_tokens.weight.numel() * 2
-    kv_bytes_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    kv_bytes_per_token = runner.pool.bytes_per_page // args.page_size
     bandwidth = copy_bandwidth_bytes_per_s()
     pages = runner.pool.allocator.alloc(max(sizes) * pages_per_seq)
     rows = []

@@ -33,8 +33,8 @@ class ModelSource:
     model: str = setting("tiny", "Hugging Face model folder, Hugging Face repo id (org/name, "
                          "fetched into the standard cache through huggingface_hub; HF_TOKEN "
                          "and HF_HUB_OFFLINE apply) or preset name (tiny, small, tiny-moe, "
-                         "qwen3-0.6b, qwen3-8b, llama3-8b, qwen3-30b-a3b, mixtral-8x7b: random "
-                         "weights)")
+                         "qwen3-0.6b, qwen3-8b, qwen3-32b, llama3-8b, qwen3-30b-a3b, "
+                         "mixtral-8x7b: random weights)")
     revision: str = setting("", "branch, tag or commit of a repo id (default: main)")
     served_model_name: str = setting("", "the model's name in the API and in metrics' "
                                      "model_name label (default: --model)")

@@ -164,3 +164,13 @@ def test_cluster_with_fp8_gemms_matches_the_single_process(tmp_path):
         assert ids == expected
     finally:
         stop_cluster(cluster)
+
+
+def test_the_32b_class_preset_has_qwen3_32b_shape():
+    """The dense shape FP8's one-GPU target names (64 GB in bf16, half of it in FP8)."""
+    from pdserve.models.llama import CausalLM
+    from pdserve.models.presets import PRESETS
+
+    with torch.device("meta"):
+        params = sum(p.numel() for p in CausalLM(PRESETS["qwen3-32b"]).parameters())
+    assert round(params / 1e9, 1) == 32.8

@@ -86,6 +86,8 @@ def load_model(model: str, dtype: str, device: torch.device, seed: int = 0,
         _init_random(net, seed)
     if quantization == "fp8" and scheme is None:
         fp8.quantize_linears(net, AT_LOAD)
+        if device.type == "cuda":   # the 16-bit weights' blocks back to the GPU (KV sizing)
+            torch.cuda.empty_cache()
     if any(isinstance(m, fp8.Fp8Linear) for m in net.modules()):
         log.info("weights: %s (%s)", fp8.describe(net),
                  scheme.method if scheme else "--quantization fp8, per-channel scales")

@@ -41,6 +41,12 @@ PRESETS: dict[str, ModelConfig] = {
         intermediate_size=12288, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
         max_model_len=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, qk_norm=True,
         dtype="bfloat16", bos_token_id=None, eos_token_ids=(151645,)),
+    # Qwen/Qwen3-32B's config.json: the 32B-class dense shape (64 GB of weights in bf16).
+    "qwen3-32b": ModelConfig(
+        name="qwen3-32b", family="qwen3", vocab_size=151936, hidden_size=5120,
+        intermediate_size=25600, num_layers=64, num_heads=64, num_kv_heads=8, head_dim=128,
+        max_model_len=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, qk_norm=True,
+        dtype="bfloat16", bos_token_id=None, eos_token_ids=(151645,)),
     "llama3-8b": ModelConfig(
         name="llama3-8b", family="llama", vocab_size=128256, hidden_size=4096,
         intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
