@@ -7,13 +7,18 @@ or a fence running out. ``transition`` is the whole rule, a pure function, teste
 event in every state.
 
     RESERVED ──write──▶ WRITING ──commit──▶ LANDED ──decode──▶ DECODING ──release──▶ RELEASED
-       │ commit(pending)                       ▲
-       └──▶ COMMITTED_PENDING ──writes_landed──┘
+       │ │ commit(pending)                     ▲                     ▲
+       │ └──▶ COMMITTED_PENDING ──writes_landed──┘                     │
+       └──────────────────────── prefill_here ─────────────────────────┘
     released while writes may still land ──▶ FENCED ──writes_landed / abandoned / timeout──▶ RELEASED
 
 One-sided engines (cuda_ipc, nixl) write into the pool without passing through us, so a
 reservation RESERVED on a worker that offers one may be being written to unseen: released, its
 pages are FENCED, held back until the sender says its writes ended, or a lease later.
+
+A prompt short enough to prefill on the decode worker itself (the router's
+--local-prefill-max-tokens) goes from RESERVED straight to DECODING: the decode loop computes its
+KV into the reserved pages, and no sender ever writes them.
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ class Event(enum.Enum):
     WRITES_LANDED = "writes_landed"           # the sender: its pending writes have landed
     WRITES_ABANDONED = "writes_abandoned"     # the sender gives up and writes no more
     DECODE = "decode"                         # the router starts decoding
+    PREFILL_HERE = "prefill_here"             # the router starts it here, prompt and all
     RELEASE = "release"                       # the router or the decode loop is done with it
     LEASE_EXPIRED = "lease_expired"           # not decoding a lease after the last renewal
     FENCE_EXPIRED = "fence_expired"           # a fence held a lease long: the sender is gone
@@ -60,6 +66,7 @@ TRANSITIONS: dict[tuple[State, Event], State | str] = {
     (S.RESERVED, E.WRITES_ABANDONED): S.RELEASED,
     (S.RESERVED, E.RELEASE): _RELEASE_UNSEEN,
     (S.RESERVED, E.LEASE_EXPIRED): _RELEASE_UNSEEN,
+    (S.RESERVED, E.PREFILL_HERE): S.DECODING,
 
     # Two-sided writes pass through this process: once released, none can land.
     (S.WRITING, E.WRITE): S.WRITING,

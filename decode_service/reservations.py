@@ -195,6 +195,13 @@ class ReservationTable:
         self._fire(res, Event.DECODE)
         return res
 
+    def start_prefill_here(self, request_id: str) -> Reservation:
+        """Hands a reservation nobody has written to the decode loop, which computes the
+        prompt's KV into it itself (InvalidRequest once a sender has begun)."""
+        res = self.get(request_id)
+        self._fire(res, Event.PREFILL_HERE)
+        return res
+
     def release(self, request_id: str) -> bool:
         """Done with ``request_id`` (idempotent): its pages are freed, or fenced while a
         sender's writes may still land. False if there was nothing to release."""

@@ -17,7 +17,7 @@ from pdserve.config import DecodeConfig
 from pdserve.engine.decode_steps import DecodeSteps
 from pdserve.engine.gpu_share import PrefillWatch
 from pdserve.engine.runner import ModelRunner
-from pdserve.errors import InvalidRequest, PdserveError, status_number
+from pdserve.errors import InvalidRequest, PdserveError, Unsupported, status_number
 from pdserve.grpc_util import Server, map_errors
 from pdserve.metrics import DecodeMetrics
 from pdserve.models.source import local_model, served_name, source_config
@@ -70,6 +70,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self.address = address
         self.worker = worker
         self.gpu_uuid = gpu_uuid(runner.device)
+        self.ranked = isinstance(runner, RankedRunner)   # its ranks take decode steps only
 
     @map_errors
     async def Reserve(self, request: decode_pb2.ReserveRequest,
@@ -123,7 +124,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             params = sampling_from_proto(request.sampling)
             prompt_ids = list(request.prompt_token_ids)
             self._check_decode(request, params, prompt_ids)
-            res = await self.table.start_decoding(request.request_id)
+            if request.prefill_here:
+                if self.ranked:
+                    raise Unsupported("this decode worker's tensor-parallel ranks prefill "
+                                      "no prompts: send the prompt to a prefill worker")
+                res = self.table.start_prefill_here(request.request_id)
+            else:
+                res = await self.table.start_decoding(request.request_id)
         except PdserveError as err:
             outbox.fail(request.request_id, err.code, str(err))
             self.loop.metrics.request_done(err.code.name.lower())
@@ -134,8 +141,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             self.loop.metrics.request_done("error")
             return
         self.loop.add(DecodeRequest(request.request_id, res, params, prompt_ids,
-                                    [request.first_token_id], outbox,
-                                    output_offset=request.output_offset))
+                                    [] if request.prefill_here else [request.first_token_id],
+                                    outbox, output_offset=request.output_offset,
+                                    prefill_here=request.prefill_here))
 
     def _check_decode(self, request: decode_pb2.DecodeRequest, params: SamplingParams,
                       prompt_ids: list[int]) -> None:

@@ -230,6 +230,11 @@ class RouterConfig(ModelSource):
                                  "(pdserve_requests_within_slo_total; 0: no target)")
     slo_tpot_ms: float = setting(0.0, "time-per-output-token target (the mean gap after the "
                                  "first token) for the same count (0: no target)")
+    local_prefill_max_tokens: int = setting(
+        0, "prompts of at most this many tokens are prefilled by their decode worker itself, "
+        "between its decode steps, with no prefill worker or KV hand-off (conditional "
+        "disaggregation: worth it where moving a short prompt costs more than computing it, "
+        "as when prefill and decode share a GPU); 0: every prompt goes to a prefill worker")
     same_gpu_max_imbalance_tokens: int = setting(
         16384, "prefill a request on its decode worker's GPU, where one is (its KV then never "
         "leaves the GPU), unless that prefill worker has this many more prompt tokens waiting "

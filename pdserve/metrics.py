@@ -206,6 +206,10 @@ class DecodeMetrics(WorkerMetrics):
             "plan), launch (prepare and enqueue a step), wait (for the GPU to finish the step it "
             "collects), process (hand out that step's tokens). Little wait means the host, not "
             "the device, sets the pace", extra=("phase",))
+        self.prefilled_here = self._metric(
+            Counter, "pdserve_decode_prefilled_here_tokens_total",
+            "Prompt tokens this decode worker prefilled itself (the router's "
+            "--local-prefill-max-tokens), in eager steps between its decode steps")
         self.steps.labels("eager")
 
 
@@ -226,8 +230,14 @@ class RouterMetrics(RoleMetrics):
             Histogram, "pdserve_first_token_phase_seconds",
             "Where a first token's time goes, per worker pair tried: reserve (the decode "
             "worker's Reserve, waiting for KV pages included), prefill (the Prefill call: "
-            "queue, prompt steps and the KV hand-off)", extra=("phase",),
+            "queue, prompt steps and the KV hand-off; or, for a prompt its decode worker "
+            "prefills, the wait for the stream's first token)", extra=("phase",),
             buckets=TOKEN_LATENCY_BUCKETS_S)
+        self.prefills = self._metric(
+            Counter, "pdserve_prefills_total",
+            "Prompts sent on to decode, by who prefilled them: prefill (a prefill worker, then "
+            "a KV hand-off) or decode (the decode worker itself, --local-prefill-max-tokens)",
+            extra=("by",))
         self.e2e = self._metric(Histogram, "pdserve_request_duration_seconds",
                                 "End-to-end request latency", buckets=LATENCY_BUCKETS_S)
         self.tpot = self._metric(Histogram, "pdserve_time_per_output_token_seconds",

@@ -22,6 +22,7 @@ from pdserve.models.config import ModelConfig
 from pdserve.tokenizer import Tokenizer
 from router.decode_stream import StreamError
 from router.output import Chunk, OutputAssembler
+from protos.pdserve.v1 import decode_pb2
 from router.pair import PairAttempt, upstream
 from router.validation import GenerateInput, GenerationJob, validate
 from router.workers import Worker, WorkerPool
@@ -56,6 +57,10 @@ def decode_at_fault(err: grpc.aio.AioRpcError) -> bool:
 
 class DecodeLost(Exception):
     """The decode worker went away mid-stream; the request can resume elsewhere."""
+
+
+class PrefillHereRefused(Exception):
+    """The decode worker prefills no prompts itself (its ranks take decode steps only)."""
 
 
 class RetryElsewhere(Exception):
@@ -162,10 +167,13 @@ class Generation:
         last_error: PdserveError | None = None
         wait_until = time.monotonic() + WORKER_RETURN_WAIT_S
         attempts = 0
+        # Short prompts are prefilled by their decode worker (no hand-off), unless it cannot.
+        here = 0 < len(job.prompt_ids) <= self.config.local_prefill_max_tokens
         while attempts < MAX_ATTEMPTS:
             try:
                 decode_worker = self.workers.pick("decode", job, exclude=frozenset(tried))
-                prefill_worker = self._pick_prefill(job, tried_prefill, decode_worker)
+                prefill_worker = (None if here else
+                                  self._pick_prefill(job, tried_prefill, decode_worker))
             except NoHealthyWorker:
                 if last_error is None:
                     raise
@@ -187,7 +195,19 @@ class Generation:
             attempts += 1
             async with PairAttempt(job, decode_worker, prefill_worker, self._cleanup) as pair:
                 try:
+                    if prefill_worker is None:
+                        await self._reserve(pair, remaining)
+                        with self.workers.track(decode_worker):
+                            async for chunk in self._decode(pair, None, output, remaining):
+                                yield chunk
+                        return
                     first_token = await self._prefill(pair, remaining)
+                except PrefillHereRefused as refused:
+                    log.info("request %s: %s; prefilling it on a prefill worker",
+                             job.request_id, refused)
+                    here = False
+                    attempts -= 1
+                    continue
                 except RetryElsewhere as retry:
                     log.info("request %s: attempt %d failed (%s); trying another pair",
                              job.request_id, attempts, retry)
@@ -217,9 +237,10 @@ class Generation:
                 raise
             return self.workers.pick("prefill", job, near=decode)
 
-    async def _prefill(self, pair: PairAttempt, remaining: Remaining) -> int:
-        """Reserve and prefill on ``pair``; returns the first token. Raises RetryElsewhere for
-        a failure another pair may not have."""
+    async def _reserve(self, pair: PairAttempt, remaining: Remaining
+                       ) -> decode_pb2.ReserveResponse:
+        """Pages for the request on ``pair``'s decode worker. Raises RetryElsewhere for a
+        failure another decode worker may not have."""
         started = time.monotonic()
         try:
             reserved = await pair.reserve(remaining())
@@ -227,9 +248,16 @@ class Generation:
             if err.code() not in RETRYABLE:
                 raise upstream(err, pair.decode) from err
             raise RetryElsewhere(upstream(err, pair.decode), pair.decode.address) from err
+        self.metrics.first_token_phase.labels("reserve").observe(time.monotonic() - started)
+        return reserved
+
+    async def _prefill(self, pair: PairAttempt, remaining: Remaining) -> int:
+        """Reserve and prefill on ``pair``; returns the first token. Raises RetryElsewhere for
+        a failure another pair may not have."""
+        reserved = await self._reserve(pair, remaining)
+        assert pair.prefill is not None
         try:
             reserved_at = time.monotonic()
-            self.metrics.first_token_phase.labels("reserve").observe(reserved_at - started)
             with self.workers.track(pair.prefill):
                 first_token = await pair.run_prefill(reserved, remaining())
             self.metrics.first_token_phase.labels("prefill").observe(time.monotonic() - reserved_at)
@@ -246,19 +274,30 @@ class Generation:
                 self.workers.mark_unhealthy(pair.prefill, err.details() or "unavailable")
             raise RetryElsewhere(upstream(err, pair.prefill), "") from err
 
-    async def _decode(self, pair: PairAttempt, first_token: int, output: OutputAssembler,
+    async def _decode(self, pair: PairAttempt, first_token: int | None, output: OutputAssembler,
                       remaining: Remaining) -> AsyncIterator[Chunk]:
+        """The decode worker's tokens after ``first_token``, or, None, all of them (it prefills
+        the prompt itself). Raises DecodeLost where another pair can go on, PrefillHereRefused
+        where the decode worker prefills no prompts."""
         job = pair.job
+        started = time.monotonic()
         if not job.output_offset:
             self.metrics.prompt_tokens.inc(len(job.prompt_ids))
-        chunk = output.add([first_token])
-        self.metrics.generated_tokens.inc(len(chunk.token_ids))
-        yield chunk
-        if output.finished:
-            return
+        self.metrics.prefills.labels("prefill" if first_token is not None else "decode").inc()
+        if first_token is not None:
+            chunk = output.add([first_token])
+            self.metrics.generated_tokens.inc(len(chunk.token_ids))
+            yield chunk
+            if output.finished:
+                return
+        first = first_token is None
         try:
             async for message in pair.stream_decode(first_token, remaining(),
                                                     self._wake_every(job)):
+                if first:
+                    first = False
+                    self.metrics.first_token_phase.labels("prefill").observe(
+                        time.monotonic() - started)
                 chunk = output.add(list(message.token_ids))
                 self.metrics.generated_tokens.inc(len(chunk.token_ids))
                 if pair.decode_ended_stream and not output.finished:
@@ -269,6 +308,9 @@ class Generation:
                 if output.finished:
                     return
         except (grpc.aio.AioRpcError, StreamError) as err:
+            if first and err.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise PrefillHereRefused(f"decode worker {pair.decode.address}: "
+                                         f"{err.details()}") from err
             if err.code() not in DECODE_LOST:
                 raise upstream(err, pair.decode) from err
             if err.code() in WORKER_GONE:

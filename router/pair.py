@@ -31,8 +31,9 @@ def upstream(err: grpc.aio.AioRpcError, worker: Worker) -> UpstreamError:
 
 
 class PairAttempt:
-    def __init__(self, job: GenerationJob, decode: Worker, prefill: Worker,
+    def __init__(self, job: GenerationJob, decode: Worker, prefill: Worker | None,
                  background: set[asyncio.Task]) -> None:
+        """``prefill`` None: the decode worker prefills the prompt itself."""
         self.job = job
         self.decode = decode
         self.prefill = prefill
@@ -67,15 +68,17 @@ class PairAttempt:
             output_offset=self.job.output_offset), timeout=timeout_s)
         return reply.first_token_id
 
-    async def stream_decode(self, first_token: int, timeout_s: float | None,
+    async def stream_decode(self, first_token: int | None, timeout_s: float | None,
                             wake_every: int = 1) -> AsyncIterator[decode_pb2.RequestTokens]:
-        """The decode worker's tokens after ``first_token``, through the worker's shared stream,
-        a message each ``wake_every`` tokens (0: one, at the end); raises StreamError."""
+        """The decode worker's tokens after ``first_token`` (None: it prefills the prompt and
+        samples the first token too), through the worker's shared stream, a message each
+        ``wake_every`` tokens (0: one, at the end); raises StreamError."""
         stream = self.decode.decode_stream
         assert stream is not None
         request = decode_pb2.DecodeRequest(
-            request_id=self.attempt_id, first_token_id=first_token, sampling=self.sampling,
-            prompt_token_ids=self.job.prompt_ids, output_offset=self.job.output_offset)
+            request_id=self.attempt_id, first_token_id=first_token or 0, sampling=self.sampling,
+            prompt_token_ids=self.job.prompt_ids, output_offset=self.job.output_offset,
+            prefill_here=first_token is None)
         async for message in stream.decode(request, timeout_s, wake_every):
             if message.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
                 self.decode_ended_stream = True

@@ -37,8 +37,9 @@ def _jobs() -> list[tuple[list[int], SamplingParams]]:
     return jobs
 
 
-async def _decode_all(runner, jobs, overlap: bool) -> tuple[dict[str, list[int]], DecodeLoop,
-                                                            ReservationTable]:
+async def _decode_all(runner, jobs, overlap: bool, here: bool = False,
+                      ) -> tuple[dict[str, list[int]], DecodeLoop, ReservationTable]:
+    """``here``: every other request (the odd ones) is prefilled by the loop itself."""
     table = ReservationTable(runner.pool, 64, 5.0, 60.0, unseen_writes_possible=False)
     loop = DecodeLoop(DecodeSteps(runner, MAX_RUNNING), table, MAX_RUNNING,
                       DecodeMetrics("test"), overlap=overlap)
@@ -50,6 +51,12 @@ async def _decode_all(runner, jobs, overlap: bool) -> tuple[dict[str, list[int]]
         for i, (prompt, params) in enumerate(jobs):
             request_id = f"r{i}"
             res = await table.reserve(request_id, len(prompt), params.max_new_tokens)
+            if here and i % 2:
+                table.start_prefill_here(request_id)
+                outputs[request_id] = []
+                loop.add(DecodeRequest(request_id, res, params, prompt, [], outbox,
+                                       prefill_here=True))
+                continue
             first = runner.step([SeqInput(prompt, 0, res.pages[:res.prompt_pages])],
                                 [sample_row(params, prompt, [])]).tokens[0]
             table.on_commit(request_id, len(prompt), writes_pending=False)
@@ -63,8 +70,10 @@ async def _decode_all(runner, jobs, overlap: bool) -> tuple[dict[str, list[int]]
             for request_id, token_id in zip(request_ids, token_ids):
                 outputs[request_id].append(token_id)
             for final in finals:
-                assert final.error is None
-                outputs[final.request_id] += final.token_ids
+                if final.error is None:
+                    outputs[final.request_id] += final.token_ids
+                else:
+                    outputs[final.request_id] = [final.error[0].name]
                 finished.add(final.request_id)
         for _ in range(100):   # the last step collected: its requests' pages come back
             if table.held_pages == 0:
@@ -85,6 +94,38 @@ def test_decode_loop_matches_single_process(tiny_runner, overlap):
     assert table.held_pages == 0 and len(table) == 0
     assert loop.num_free_slots == MAX_RUNNING
     assert tiny_runner.pool.allocator.num_free == free_before
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_prompts_prefilled_by_the_loop_match_single_process(tiny_runner, overlap):
+    """Half the requests come whole (prefill_here): the loop prefills them between its steps
+    and they decode beside the others, every token as one process gives it."""
+    jobs = _jobs()
+    free_before = tiny_runner.pool.allocator.num_free
+    outputs, loop, table = asyncio.run(_decode_all(tiny_runner, jobs, overlap, here=True))
+    for i, (prompt, params) in enumerate(jobs):
+        assert outputs[f"r{i}"] == local.generate(tiny_runner, prompt, params), f"request {i}"
+    assert table.held_pages == 0 and loop.num_free_slots == MAX_RUNNING
+    assert tiny_runner.pool.allocator.num_free == free_before
+
+
+def test_a_failed_prefill_here_step_fails_its_requests_alone(tiny_runner, monkeypatch):
+    step = tiny_runner.step
+
+    def broken(seqs, rows, *args, **kwargs):  # noqa: ANN001, ANN202
+        if any(s.token_ids == [8, 9, 10, 11] for s in seqs):   # r1's prompt, prefilled here
+            raise RuntimeError("prefill kernel failed")
+        return step(seqs, rows, *args, **kwargs)
+
+    jobs = [([5, 6, 7], SamplingParams(max_new_tokens=4)),
+            ([8, 9, 10, 11], SamplingParams(max_new_tokens=4))]
+    free_before = tiny_runner.pool.allocator.num_free
+    monkeypatch.setattr(tiny_runner, "step", broken)
+    outputs, _, table = asyncio.run(_decode_all(tiny_runner, jobs, True, here=True))
+    monkeypatch.undo()
+    assert outputs["r1"] == ["INTERNAL"]
+    assert outputs["r0"] == local.generate(tiny_runner, *jobs[0])
+    assert table.held_pages == 0 and tiny_runner.pool.allocator.num_free == free_before
 
 
 def test_stop_id_ends_a_request_early_with_overlap(tiny_runner):

@@ -17,16 +17,16 @@ _ = None  # illegal
 # Each state's row: the state every event leads to, with a one-sided engine offered (fences
 # possible) / with grpc only. Columns in Event order.
 COLUMNS = [E.WRITE, E.COMMIT, E.COMMIT_PENDING, E.WRITES_LANDED, E.WRITES_ABANDONED, E.DECODE,
-           E.RELEASE, E.LEASE_EXPIRED, E.FENCE_EXPIRED]
+           E.PREFILL_HERE, E.RELEASE, E.LEASE_EXPIRED, E.FENCE_EXPIRED]
 TABLE = {
-    #                   WRITE      COMMIT    COMMIT_PENDING        LANDED    ABANDONED   DECODE      RELEASE     LEASE_EXP   FENCE_EXP
-    S.RESERVED:        [S.WRITING, S.LANDED, S.COMMITTED_PENDING, _,        S.RELEASED, _,          "fence",    "fence",    _],
-    S.WRITING:         [S.WRITING, S.LANDED, _,                   _,        S.RELEASED, _,          S.RELEASED, S.RELEASED, _],
-    S.COMMITTED_PENDING: [_,       _,        _,                   S.LANDED, S.RELEASED, _,          S.FENCED,   S.FENCED,   _],
-    S.LANDED:          [_,         _,        _,                   _,        S.RELEASED, S.DECODING, S.RELEASED, S.RELEASED, _],
-    S.DECODING:        [_,         _,        _,                   _,        S.DECODING, _,          S.RELEASED, _,          _],
-    S.FENCED:          [_,         _,        _,                   S.RELEASED, S.RELEASED, _,        S.FENCED,   _,          S.RELEASED],
-    S.RELEASED:        [_,         _,        _,                   _,        S.RELEASED, _,          S.RELEASED, _,          _],
+    #                   WRITE      COMMIT    COMMIT_PENDING        LANDED    ABANDONED   DECODE      HERE        RELEASE     LEASE_EXP   FENCE_EXP
+    S.RESERVED:        [S.WRITING, S.LANDED, S.COMMITTED_PENDING, _,        S.RELEASED, _,          S.DECODING, "fence",    "fence",    _],
+    S.WRITING:         [S.WRITING, S.LANDED, _,                   _,        S.RELEASED, _,          _,          S.RELEASED, S.RELEASED, _],
+    S.COMMITTED_PENDING: [_,       _,        _,                   S.LANDED, S.RELEASED, _,          _,          S.FENCED,   S.FENCED,   _],
+    S.LANDED:          [_,         _,        _,                   _,        S.RELEASED, S.DECODING, _,          S.RELEASED, S.RELEASED, _],
+    S.DECODING:        [_,         _,        _,                   _,        S.DECODING, _,          _,          S.RELEASED, _,          _],
+    S.FENCED:          [_,         _,        _,                   S.RELEASED, S.RELEASED, _,        _,          S.FENCED,   _,          S.RELEASED],
+    S.RELEASED:        [_,         _,        _,                   _,        S.RELEASED, _,          _,          S.RELEASED, _,          _],
 }
 CASES = [(state, event, row[i]) for state, row in TABLE.items() for i, event in enumerate(COLUMNS)]
 

@@ -26,7 +26,7 @@ from protos.pdserve.v1 import generate_pb2 as protos_dot_pdserve_dot_v1_dot_gene
 from protos.pdserve.v1 import worker_pb2 as protos_dot_pdserve_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/pdserve/v1/decode.proto\x12\npdserve.v1\x1a protos/pdserve/v1/generate.proto\x1a\x1eprotos/pdserve/v1/worker.proto\"P\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_len\x18\x02 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\":\n\x0fReserveResponse\x12\'\n\tkv_target\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVTarget\"\x9a\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.WorkerSampling\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12\x15\n\routput_offset\x18\x05 \x01(\r\"9\n\rStreamRequest\x12(\n\x05start\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.DecodeRequest\"e\n\x0eStreamResponse\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12+\n\x08\x66inished\x18\x01 \x03(\x0b\x32\x19.pdserve.v1.RequestTokens\"\x92\x01\n\rRequestTokens\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x12\n\nerror_code\x18\x04 \x01(\r\x12\x15\n\rerror_message\x18\x05 \x01(\t\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\xa7\x02\n\rDecodeService\x12\x42\n\x07Reserve\x12\x1a.pdserve.v1.ReserveRequest\x1a\x1b.pdserve.v1.ReserveResponse\x12\x43\n\x06Stream\x12\x19.pdserve.v1.StreamRequest\x1a\x1a.pdserve.v1.StreamResponse(\x01\x30\x01\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponse\x12I\n\rGetWorkerInfo\x12 .pdserve.v1.GetWorkerInfoRequest\x1a\x16.pdserve.v1.WorkerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/pdserve/v1/decode.proto\x12\npdserve.v1\x1a protos/pdserve/v1/generate.proto\x1a\x1eprotos/pdserve/v1/worker.proto\"P\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_len\x18\x02 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\":\n\x0fReserveResponse\x12\'\n\tkv_target\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVTarget\"\xb0\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.WorkerSampling\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12\x15\n\routput_offset\x18\x05 \x01(\r\x12\x14\n\x0cprefill_here\x18\x06 \x01(\x08\"9\n\rStreamRequest\x12(\n\x05start\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.DecodeRequest\"e\n\x0eStreamResponse\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12+\n\x08\x66inished\x18\x01 \x03(\x0b\x32\x19.pdserve.v1.RequestTokens\"\x92\x01\n\rRequestTokens\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x12\n\nerror_code\x18\x04 \x01(\r\x12\x15\n\rerror_message\x18\x05 \x01(\t\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\xa7\x02\n\rDecodeService\x12\x42\n\x07Reserve\x12\x1a.pdserve.v1.ReserveRequest\x1a\x1b.pdserve.v1.ReserveResponse\x12\x43\n\x06Stream\x12\x19.pdserve.v1.StreamRequest\x1a\x1a.pdserve.v1.StreamResponse(\x01\x30\x01\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponse\x12I\n\rGetWorkerInfo\x12 .pdserve.v1.GetWorkerInfoRequest\x1a\x16.pdserve.v1.WorkerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,17 +38,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESERVERESPONSE']._serialized_start=194
   _globals['_RESERVERESPONSE']._serialized_end=252
   _globals['_DECODEREQUEST']._serialized_start=255
-  _globals['_DECODEREQUEST']._serialized_end=409
-  _globals['_STREAMREQUEST']._serialized_start=411
-  _globals['_STREAMREQUEST']._serialized_end=468
-  _globals['_STREAMRESPONSE']._serialized_start=470
-  _globals['_STREAMRESPONSE']._serialized_end=571
-  _globals['_REQUESTTOKENS']._serialized_start=574
-  _globals['_REQUESTTOKENS']._serialized_end=720
-  _globals['_RELEASEREQUEST']._serialized_start=722
-  _globals['_RELEASEREQUEST']._serialized_end=758
-  _globals['_RELEASERESPONSE']._serialized_start=760
-  _globals['_RELEASERESPONSE']._serialized_end=795
-  _globals['_DECODESERVICE']._serialized_start=798
-  _globals['_DECODESERVICE']._serialized_end=1093
+  _globals['_DECODEREQUEST']._serialized_end=431
+  _globals['_STREAMREQUEST']._serialized_start=433
+  _globals['_STREAMREQUEST']._serialized_end=490
+  _globals['_STREAMRESPONSE']._serialized_start=492
+  _globals['_STREAMRESPONSE']._serialized_end=593
+  _globals['_REQUESTTOKENS']._serialized_start=596
+  _globals['_REQUESTTOKENS']._serialized_end=742
+  _globals['_RELEASEREQUEST']._serialized_start=744
+  _globals['_RELEASEREQUEST']._serialized_end=780
+  _globals['_RELEASERESPONSE']._serialized_start=782
+  _globals['_RELEASERESPONSE']._serialized_end=817
+  _globals['_DECODESERVICE']._serialized_start=820
+  _globals['_DECODESERVICE']._serialized_end=1115
 # @@protoc_insertion_point(module_scope)

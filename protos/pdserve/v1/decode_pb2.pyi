@@ -25,18 +25,20 @@ class ReserveResponse(_message.Message):
     def __init__(self, kv_target: _Optional[_Union[_worker_pb2.KVTarget, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "sampling", "prompt_token_ids", "output_offset")
+    __slots__ = ("request_id", "first_token_id", "sampling", "prompt_token_ids", "output_offset", "prefill_here")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_HERE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     sampling: _worker_pb2.WorkerSampling
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     output_offset: int
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_worker_pb2.WorkerSampling, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_offset: _Optional[int] = ...) -> None: ...
+    prefill_here: bool
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_worker_pb2.WorkerSampling, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_offset: _Optional[int] = ..., prefill_here: _Optional[bool] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
     __slots__ = ("start",)
