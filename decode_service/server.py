@@ -9,7 +9,7 @@ import grpc
 
 from decode_service.outbox import Final, Outbox
 from decode_service.reservations import ReservationTable
-from decode_service.scheduler import DecodeLoop, DecodeRequest
+from decode_service.scheduler import PREFILL_HERE_STEP_TOKENS, DecodeLoop, DecodeRequest
 from kv_transfer import gpu_uuid, writes_unseen
 from kv_transfer.base import KVTarget
 from kv_transfer.service import KVTransferServicer, offered_engines
@@ -189,6 +189,8 @@ async def serve(config: DecodeConfig) -> None:
         runner = ModelRunner(config.engine, "decode", config.max_running_requests)
         steps = DecodeSteps(runner, config.max_running_requests)
     steps.warm_up()   # before SERVING: the first requests find every kernel built
+    if not isinstance(runner, RankedRunner):   # and the prompts it prefills itself, if any
+        runner.warm_up(PREFILL_HERE_STEP_TOKENS)
     server = make_server(config.server, identity)
     worker = worker_id(config.server, "decode", server.port)
     metrics = DecodeMetrics(worker, served_name(config.engine))
