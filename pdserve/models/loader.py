@@ -93,12 +93,13 @@ def load_model(model: str, dtype: str, device: torch.device, seed: int = 0,
                  scheme.method if scheme else "--quantization fp8, per-channel scales")
         log.info("FP8 GEMMs (--fp8-gemm %s): %s", fp8_gemm,
                  fp8.choose_kernels(net, fp8_gemm, device, torch_dtype))
-    if config.num_experts and device.type == "cuda":
-        log.warning("experts: the fused MoE kernels are not wired yet; %d experts per layer "
-                    "run a reference loop (every expert for every token inside CUDA graphs): "
-                    "correct, slow", config.num_experts)
-    net.prepare(device, select_ops(device, torch_dtype) if kernels else TorchOps(),
-                fused_rope_kv=fused_rope_kv, triton_gemv=triton_gemv)
+    ops = select_ops(device, torch_dtype) if kernels else TorchOps()
+    if config.num_experts and device.type == "cuda" and not ops.has_fused_experts:
+        log.warning("experts: no fused MoE kernel for %s (%s ops); %d experts per layer run a "
+                    "reference loop (every expert for every token inside CUDA graphs): "
+                    "correct, slow", str(torch_dtype).removeprefix("torch."), ops.name,
+                    config.num_experts)
+    net.prepare(device, ops, fused_rope_kv=fused_rope_kv, triton_gemv=triton_gemv)
     return net.eval().requires_grad_(False)
 
 

@@ -6,11 +6,12 @@ their outputs weighted by its routing weights. The experts' weights are stacked 
 up rows) and ``down_proj`` [experts, hidden, moe_intermediate_size], the layout a fused grouped
 GEMM takes; the loader fills them from the checkpoints' per-expert tensors.
 
-Only the reference path exists yet: a Python loop over the experts that received tokens, with
-one host sync per layer to learn which did. That is fine on the CPU; a GPU needs a fused MoE
-kernel (a grouped GEMM over tokens sorted by expert) to be fast. Inside a CUDA graph capture,
-where no host sync may happen, every expert computes every token instead and unchosen experts
-are weighted by zero: correct, and slow.
+On a GPU with the CUDA ops (bf16/fp16) the experts run fused (``moe_kernel.py``): two grouped
+GEMMs over the tokens sorted by expert, without a host sync, in decode's CUDA graphs too.
+Elsewhere the reference path runs: a Python loop over the experts that received tokens, with one
+host sync per layer to learn which did (fine on the CPU); inside a CUDA graph capture without
+the fused kernel, every expert computes every token and unchosen experts are weighted by zero:
+correct, and slow.
 
 Under tensor parallelism each rank holds every expert's slice of the intermediate size
 (``ShardedExperts``), and the block adds the ranks' partial sums with one all-reduce.
@@ -152,7 +153,10 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         weights, chosen = self.route(x, ctx)
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if ctx.ops.has_fused_experts and x.is_cuda:
+            out = ctx.ops.fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj,
+                                        weights, chosen)
+        elif torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             out = self.experts.forward_every_expert(x, weights, chosen, ctx)
         else:
             out = self.experts(x, weights, chosen, ctx)

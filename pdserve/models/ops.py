@@ -12,6 +12,7 @@ class TorchOps:
 
     name = "torch"
     has_gemv = False  # whether ``gemv`` has a kernel of its own (else F.linear)
+    has_fused_experts = False  # whether ``fused_experts`` exists (else moe.py's own paths)
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor,
              bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -79,6 +80,15 @@ class CudaOps(TorchOps):
         from pdserve.models.gemv_kernel import gemv
 
         return gemv(x, weight, bias)
+
+    has_fused_experts = True
+
+    def fused_experts(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                      weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """A mixture-of-experts layer's experts as two grouped GEMMs (moe_kernel.py)."""
+        from pdserve.models.moe_kernel import fused_experts
+
+        return fused_experts(x, gate_up, down, weights, chosen, self.silu_and_mul)
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         shape = x.shape

@@ -1,0 +1,65 @@
+"""The fused MoE kernel on the GPU (run on the GPU machine): the Triton grouped GEMM against its
+PyTorch statement, and a mixture-of-experts model with fused experts against the reference loop,
+eagerly and inside decode's CUDA graphs."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from test_moe_align import _chosen
+
+from pdserve.config import EngineConfig
+from pdserve.engine.batch import SeqInput
+from pdserve.engine.runner import ModelRunner
+from pdserve.models.moe_align import grouped_gemm_reference, sort_by_expert
+from pdserve.models.ops import TorchOps
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+
+
+@pytest.mark.parametrize("tokens, experts, top_k", [(1, 8, 2), (7, 128, 8), (64, 128, 8),
+                                                     (300, 8, 2)])
+def test_grouped_gemm_kernel_matches_its_torch_statement(tokens, experts, top_k):
+    from pdserve.models.moe_kernel import block_m_for, grouped_gemm
+
+    hidden, inter = 2048, 768
+    generator = torch.Generator(device=CUDA).manual_seed(1)
+    x = torch.randn(tokens, hidden, device=CUDA, generator=generator).bfloat16()
+    w = (torch.randn(experts, 2 * inter, hidden, device=CUDA, generator=generator) / 40).bfloat16()
+    chosen = _chosen(tokens, experts, top_k, seed=2).to(CUDA)
+    scale = torch.rand(tokens * top_k, device=CUDA, generator=generator)
+    groups = sort_by_expert(chosen, experts, block_m_for(tokens))
+    for rows_per_a, s in ((top_k, None), (1, scale)):
+        a = x if rows_per_a == top_k else x.repeat_interleave(top_k, 0)
+        got = grouped_gemm(a, w, groups, rows_per_a, s).float()
+        want = grouped_gemm_reference(a, w, groups, rows_per_a, s).float()
+        assert ((got - want).abs().max() / want.abs().max()) < 1e-2
+
+
+def _moe_runner() -> ModelRunner:
+    return ModelRunner(EngineConfig(model="tiny-moe", dtype="bfloat16", page_size=16,
+                                    num_pages=256, cuda_graph_max_bs=8), "decode")
+
+
+def test_fused_experts_match_the_reference_loop_and_run_in_graphs():
+    runner = _moe_runner()
+    assert runner.model.ops.has_fused_experts and runner.graphs is not None
+    rng = random.Random(4)
+    seqs = []
+    for length in (3, 40, 130):
+        prompt = [rng.randrange(256) for _ in range(length)]
+        pages = runner.pool.allocator.alloc(runner.pool.pages_for(length + 1))
+        fused = runner.forward([SeqInput(prompt, 0, pages)], eager=True).clone()
+        ops, runner.model.ops = runner.model.ops, TorchOps()
+        reference = runner.forward([SeqInput(prompt, 0, pages)], eager=True)
+        runner.model.ops = ops
+        cosine = torch.nn.functional.cosine_similarity(fused, reference, dim=-1)
+        assert cosine.min() > 0.999, cosine
+        seqs.append(SeqInput([rng.randrange(256)], length, pages))
+    assert runner.graph_mode(seqs, None, eager=False)
+    graph_logits = runner.forward(seqs).clone()
+    eager_logits = runner.forward(seqs, eager=True)
+    diff = (graph_logits - eager_logits).abs().max() / eager_logits.abs().max()
+    assert diff < 3e-2, diff
