@@ -237,6 +237,24 @@ def test_cuda_graph_decode_step_matches_eager_step(model, rows, blas):
     assert kv_diff <= 6e-2 * runner.pool.tensor.float().abs().max().item(), kv_diff
 
 
+def assert_graph_step_matches_eager(runner: ModelRunner, lengths: tuple[int, ...],
+                                    seed: int) -> None:
+    """Prompts of ``lengths`` prefilled eagerly, then one decode step of them all replayed in a
+    CUDA graph and run eagerly: the logits agree to bf16 rounding."""
+    rng = random.Random(seed)
+    seqs = []
+    for length in lengths:
+        prompt = [rng.randrange(256) for _ in range(length)]
+        pages = runner.pool.allocator.alloc(runner.pool.pages_for(length + 1))
+        runner.forward([SeqInput(prompt, 0, pages)])
+        seqs.append(SeqInput([rng.randrange(256)], length, pages))
+    assert runner.graph_mode(seqs, None, eager=False)
+    graph_logits = runner.forward(seqs).clone()
+    eager_logits = runner.forward(seqs, eager=True)
+    diff = (graph_logits - eager_logits).abs().max() / eager_logits.abs().max()
+    assert diff < 3e-2, diff
+
+
 @pytest.mark.parametrize("model", ["small", "qwen3-0.6b"])
 def test_eager_prefill_with_fused_rope_kv_matches_separate_kernels(model):
     """A prefill step of FUSED_EAGER_MIN_TOKENS or more runs (q/k norm,) RoPE and the K/V store

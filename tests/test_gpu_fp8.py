@@ -11,7 +11,15 @@ import torch
 from conftest import start_cluster, stop_cluster
 from test_fp8_gemm import MIN_TOP1_AGREEMENT, _greedy_agreement, fp8_layer
 from test_fp8_weights import BLOCK_FP8, VOCAB, hf_model, write_fp8_folder
-from test_gpu import DECODE_SHAPES, HEAD_DIM, HEADS, KV_HEADS, PREFILL_SHAPES, _seqs
+from test_gpu import (
+    DECODE_SHAPES,
+    HEAD_DIM,
+    HEADS,
+    KV_HEADS,
+    PREFILL_SHAPES,
+    _seqs,
+    assert_graph_step_matches_eager,
+)
 
 from pdserve.attention import create_backend
 from pdserve.config import EngineConfig
@@ -57,18 +65,7 @@ def test_quantized_model_decodes_in_cuda_graphs_as_it_does_eagerly():
     runner = _decode_runner("qwen3-0.6b", quantization="fp8")
     kernels = {m.kernel for m in runner.model.modules() if isinstance(m, Fp8Linear)}
     assert kernels == {"rowwise"} and runner.graphs is not None
-    rng = random.Random(3)
-    seqs = []
-    for length in (1, 17, 64, 200, 333):
-        prompt = [rng.randrange(256) for _ in range(length)]
-        pages = runner.pool.allocator.alloc(runner.pool.pages_for(length + 1))
-        runner.forward([SeqInput(prompt, 0, pages)])
-        seqs.append(SeqInput([rng.randrange(256)], length, pages))
-    assert runner.graph_mode(seqs, None, eager=False)
-    graph_logits = runner.forward(seqs).clone()
-    eager_logits = runner.forward(seqs, eager=True)
-    diff = (graph_logits - eager_logits).abs().max() / eager_logits.abs().max()
-    assert diff < 3e-2, diff
+    assert_graph_step_matches_eager(runner, (1, 17, 64, 200, 333), seed=3)
 
 
 def test_fp8_gemm_model_agrees_with_its_dequantized_weights_on_the_gpu():
