@@ -53,6 +53,11 @@ def parse_source(spec: str) -> tuple[str, int] | None:
     return name, int(port)
 
 
+# Health checks in a row a worker may miss by timing out before it counts as unhealthy: on a
+# starved host a live worker can miss one; a frozen one misses every one.
+PROBE_TIMEOUTS_TO_UNHEALTHY = 3
+
+
 @dataclass(eq=False)
 class Worker:
     role: str
@@ -69,6 +74,7 @@ class Worker:
     sent_requests: int = 0
     sent_pages: int = 0
     sent_tokens: int = 0
+    probe_timeouts: int = 0         # health checks in a row that got no answer in time
 
 
 class WorkerPool:
@@ -207,7 +213,14 @@ class WorkerPool:
             if reply.status != health_pb2.HealthCheckResponse.SERVING:
                 return self.mark_unhealthy(worker, "not serving")
         except grpc.aio.AioRpcError as err:
-            return self.mark_unhealthy(worker, f"{err.code().name}: {err.details()}")
+            # A worker that cannot be reached is gone at once; one slow to answer (a busy
+            # host) only once it has missed PROBE_TIMEOUTS_TO_UNHEALTHY checks in a row.
+            timed_out = err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            worker.probe_timeouts = worker.probe_timeouts + 1 if timed_out else 0
+            if not timed_out or worker.probe_timeouts >= PROBE_TIMEOUTS_TO_UNHEALTHY:
+                return self.mark_unhealthy(worker, f"{err.code().name}: {err.details()}")
+            return
+        worker.probe_timeouts = 0
         try:
             # Every probe refreshes the worker's load report (the policies' view of it). Only
             # the health check decides health: a busy worker slow to report keeps its last one.

@@ -4,6 +4,7 @@ nothing), once the router's channel finds the worker no longer answers its pings
 from __future__ import annotations
 
 import signal
+import time
 
 import grpc
 import pytest
@@ -89,4 +90,33 @@ def test_decode_worker_its_prefill_cannot_reach_is_avoided(tiny_runner):
         assert pages_at_rest(cluster.wait_at_rest(["prefill0", "decode0"])["decode0"])
         assert pages_at_rest(cluster.wait_at_rest(["decode1"])["decode1"])
     finally:
+        cluster.stop()
+
+
+def test_a_worker_slow_to_answer_one_health_check_stays_healthy(capfd):
+    """A probe that times out once (a busy host) does not take a worker out of rotation; one
+    that keeps timing out (frozen) does, and the worker comes back once it answers."""
+    cluster = start_roles(["prefill", "decode"])
+    decode = cluster.processes["decode0"]
+    try:
+        decode.send_signal(signal.SIGSTOP)   # one probe's timeout (1 s), at most two
+        time.sleep(1.6)
+        decode.send_signal(signal.SIGCONT)
+        time.sleep(1.0)
+        assert "unhealthy" not in capfd.readouterr().err
+        decode.send_signal(signal.SIGSTOP)
+        seen, deadline = "", time.monotonic() + 60
+        while "unhealthy: DEADLINE_EXCEEDED" not in seen and time.monotonic() < deadline:
+            time.sleep(0.2)
+            seen += capfd.readouterr().err
+        decode.send_signal(signal.SIGCONT)
+        address = cluster.addresses["decode0"]
+        assert f"decode worker {address} unhealthy: DEADLINE_EXCEEDED" in seen
+        back = f"decode worker {address} healthy"
+        while back not in seen and time.monotonic() < deadline:
+            time.sleep(0.2)
+            seen += capfd.readouterr().err
+        assert back in seen
+    finally:
+        decode.send_signal(signal.SIGCONT)
         cluster.stop()

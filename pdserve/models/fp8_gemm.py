@@ -54,33 +54,36 @@ def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def rowwise_mm(x: torch.Tensor, weight: torch.Tensor, scale_n: torch.Tensor,
                bias: torch.Tensor | None) -> torch.Tensor:
     """``x`` [..., K] times FP8 ``weight`` [N, K] with scales ``scale_n`` [1, N]."""
-    flat = x.reshape(-1, x.shape[-1])
-    if flat.shape[0] == 0:
-        return x.new_empty(*x.shape[:-1], weight.shape[0])
-    quantized, scale_m = quantize_rows(flat)
-    out = torch._scaled_mm(quantized, weight.t(), scale_a=scale_m, scale_b=scale_n,
-                           out_dtype=x.dtype, bias=bias)
-    return out.view(*x.shape[:-1], weight.shape[0])
+    def mm(flat: torch.Tensor) -> torch.Tensor:
+        quantized, scale_m = quantize_rows(flat)
+        return torch._scaled_mm(quantized, weight.t(), scale_a=scale_m, scale_b=scale_n,
+                                out_dtype=x.dtype, bias=bias)
+    return _over_rows(x, weight.shape[0], mm)
 
 
 def blockwise_mm(x: torch.Tensor, weight: torch.Tensor, block_scales: torch.Tensor,
                  bias: torch.Tensor | None) -> torch.Tensor:
     """``x`` [..., K] times FP8 ``weight`` [N, K] with 128x128 block scales [N/128, K/128]."""
+    def mm(flat: torch.Tensor) -> torch.Tensor:
+        quantized, scale_m = quantize_groups(flat)
+        if x.is_cuda:
+            out = torch._scaled_mm(quantized, weight.t(), scale_a=scale_m,
+                                   scale_b=block_scales.t(), out_dtype=x.dtype)
+        else:   # no blockwise kernel on the CPU: the same operands, widened
+            a = (quantized.float().unflatten(1, (-1, BLOCK)) * scale_m[..., None]).flatten(1)
+            b = (weight.float().unflatten(0, (-1, BLOCK)).unflatten(2, (-1, BLOCK))
+                 * block_scales[:, None, :, None]).flatten(2).flatten(0, 1)
+            out = (a @ b.t()).to(x.dtype)
+        return out if bias is None else out + bias
+    return _over_rows(x, weight.shape[0], mm)
+
+
+def _over_rows(x: torch.Tensor, out_features: int, mm) -> torch.Tensor:  # noqa: ANN001
+    """``mm`` over ``x``'s rows flattened to [M, K], reshaped back ([..., out_features])."""
     flat = x.reshape(-1, x.shape[-1])
-    if flat.shape[0] == 0:
-        return x.new_empty(*x.shape[:-1], weight.shape[0])
-    quantized, scale_m = quantize_groups(flat)
-    if x.is_cuda:
-        out = torch._scaled_mm(quantized, weight.t(), scale_a=scale_m, scale_b=block_scales.t(),
-                               out_dtype=x.dtype)
-    else:   # no blockwise kernel on the CPU: the same operands, widened
-        a = (quantized.float().unflatten(1, (-1, BLOCK)) * scale_m[..., None]).flatten(1)
-        b = (weight.float().unflatten(0, (-1, BLOCK)).unflatten(2, (-1, BLOCK))
-             * block_scales[:, None, :, None]).flatten(2).flatten(0, 1)
-        out = (a @ b.t()).to(x.dtype)
-    if bias is not None:
-        out = out + bias
-    return out.view(*x.shape[:-1], weight.shape[0])
+    if flat.shape[0] == 0:   # the quantizers take no empty batch
+        return x.new_empty(*x.shape[:-1], out_features)
+    return mm(flat).view(*x.shape[:-1], out_features)
 
 
 def block_scales(weight_scale: torch.Tensor, out_features: int, in_features: int,
