@@ -48,9 +48,9 @@ class EngineConfig(ModelSource):
 
     dtype: str = setting("auto", "weights and KV dtype (auto: the checkpoint's)",
                          choices=("auto", "float32", "bfloat16", "float16"))
-    quantization: str = setting("", "fp8: quantize a 16-bit checkpoint's linear layers to FP8 "
-                                "e4m3 at load, a scale per output channel (lm_head stays "
-                                "16-bit); empty: the weights as the checkpoint has them (FP8 "
+    quantization: str = setting("", "fp8: quantize a 16-bit checkpoint's linear layers (and "
+                                "experts) to FP8 e4m3 at load, a scale per output channel "
+                                "(lm_head stays 16-bit); empty: the weights as the checkpoint has them (FP8 "
                                 "checkpoints, quant_method fp8 or compressed-tensors, load as "
                                 "FP8 either way)", choices=("", "fp8"))
     fp8_gemm: str = setting("auto", "how FP8 linear layers compute: scaled_mm (FP8 GEMMs, "

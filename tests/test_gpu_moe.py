@@ -55,13 +55,28 @@ def test_fused_experts_match_the_reference_loop_and_run_in_graphs():
     assert runner.model.ops.has_fused_experts and runner.graphs is not None
     rng = random.Random(4)
     for length in (3, 40, 130):
-        prompt = [rng.randrange(256) for _ in range(length)]
-        pages = runner.pool.allocator.alloc(runner.pool.pages_for(length + 1))
-        fused = runner.forward([SeqInput(prompt, 0, pages)], eager=True).clone()
-        ops, runner.model.ops = runner.model.ops, TorchOps()
-        reference = runner.forward([SeqInput(prompt, 0, pages)], eager=True)
-        runner.model.ops = ops
-        cosine = torch.nn.functional.cosine_similarity(fused, reference, dim=-1)
-        assert cosine.min() > 0.999, cosine
-        runner.pool.allocator.free(pages)
+        _assert_fused_matches_reference(runner, [rng.randrange(256) for _ in range(length)])
     assert_graph_step_matches_eager(runner, (3, 40, 130), seed=5)
+
+
+def _assert_fused_matches_reference(runner: ModelRunner, prompt: list[int]) -> None:
+    """A prompt's logits with the fused experts and with the reference loop (TorchOps)."""
+    pages = runner.pool.allocator.alloc(runner.pool.pages_for(len(prompt) + 1))
+    fused = runner.forward([SeqInput(prompt, 0, pages)], eager=True).clone()
+    ops, runner.model.ops = runner.model.ops, TorchOps()
+    reference = runner.forward([SeqInput(prompt, 0, pages)], eager=True)
+    runner.model.ops = ops
+    cosine = torch.nn.functional.cosine_similarity(fused, reference, dim=-1)
+    assert cosine.min() > 0.999, cosine
+    runner.pool.allocator.free(pages)
+
+
+def test_fp8_experts_in_the_kernel_match_their_dequantized_reference():
+    """--quantization fp8: the kernel reads e4m3 experts and their row scales; the reference
+    loop computes with the same weights dequantized."""
+    _moe_runner()   # registers the preset
+    runner = ModelRunner(EngineConfig(model="small-moe", quantization="fp8", page_size=16,
+                                      num_pages=256, cuda_graph_max_bs=8), "decode")
+    assert runner.model.layers[0].mlp.experts.quantized
+    _assert_fused_matches_reference(runner, list(range(5, 90)))
+    assert_graph_step_matches_eager(runner, (3, 40, 130), seed=6)

@@ -14,8 +14,8 @@ from test_model_matches_transformers import assert_greedy_matches, assert_prefil
 
 from pdserve.config import EngineConfig
 from pdserve.engine import local
+from pdserve.engine.batch import SeqInput
 from pdserve.engine.runner import ModelRunner
-from pdserve.errors import ConfigError
 from pdserve.models.llama import MLP, CausalLM, ForwardContext
 from pdserve.models.moe import SparseMoeBlock
 from pdserve.models.ops import TorchOps
@@ -159,10 +159,32 @@ def test_real_presets_have_their_published_shapes():
     assert round(params["mixtral-8x7b"] / 1e9, 1) == 46.7
 
 
-def test_quantizing_experts_at_load_is_refused_in_one_line():
-    with pytest.raises(ConfigError, match="--quantization fp8 does not quantize mixture-of-"):
-        ModelRunner(EngineConfig(model="tiny-moe", device="cpu", page_size=4, num_pages=16,
-                                 quantization="fp8"), "prefill")
+def test_quantization_fp8_holds_experts_as_fp8_with_a_scale_per_row():
+    """--quantization fp8 of a mixture-of-experts model: its experts FP8 too, and the model
+    computes exactly what it computes with those weights dequantized."""
+    dense = ModelRunner(EngineConfig(model="tiny-moe", device="cpu", page_size=4, num_pages=64),
+                        "prefill")
+    runner = ModelRunner(EngineConfig(model="tiny-moe", device="cpu", page_size=4, num_pages=64,
+                                      quantization="fp8"), "prefill")
+    ids = list(range(3, 40))
+    logits = runner.forward([SeqInput(ids, 0, runner.pool.allocator.alloc(10))])
+    for layer, dense_layer in zip(runner.model.layers, dense.model.layers):
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is None:   # mlp_only_layers
+            continue
+        assert experts.quantized and experts.gate_up_proj.dtype == torch.float8_e4m3fn
+        assert experts.gate_up_proj_scale.shape == (*experts.gate_up_proj.shape[:2], 1)
+        for name in experts.WEIGHTS:
+            original = getattr(dense_layer.mlp.experts, name)
+            restored = experts.weight(name, torch.float32)
+            assert 0 < (restored - original).abs().max() <= 0.07 * original.abs().max()
+            getattr(dense_layer.mlp.experts, name).data.copy_(restored)
+    for layer, dense_layer in zip(runner.model.layers, dense.model.layers):   # the rest alike
+        for name, module in layer.named_modules():
+            if hasattr(module, "dequantized"):
+                dense_layer.get_submodule(name).weight.data.copy_(module.dequantized(torch.float32))
+    want = dense.forward([SeqInput(ids, 0, dense.pool.allocator.alloc(10))])
+    torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
 
 
 def _fp8_moe_folder(hf: transformers.PreTrainedModel, folder) -> dict[str, torch.Tensor]:
@@ -204,7 +226,7 @@ def _fp8_moe_folder(hf: transformers.PreTrainedModel, folder) -> dict[str, torch
     return dequantized
 
 
-def test_an_fp8_checkpoints_experts_load_dequantized_and_match_transformers(tmp_path):
+def test_an_fp8_checkpoints_experts_stay_fp8_and_match_transformers(tmp_path):
     config_cls, model_cls, kwargs, _ = CONFIGS[next(iter(CONFIGS))]   # qwen3-moe
     torch.manual_seed(0)
     hf = model_cls(config_cls(**kwargs)).float().eval()
@@ -216,6 +238,8 @@ def test_an_fp8_checkpoints_experts_load_dequantized_and_match_transformers(tmp_
     hf.load_state_dict(dequantized)
     runner = ModelRunner(EngineConfig(model=str(tmp_path / "fp8"), device="cpu", page_size=4,
                                       num_pages=256), "prefill")
+    experts = runner.model.layers[0].mlp.experts
+    assert experts.quantized and experts.gate_up_proj.dtype == torch.float8_e4m3fn
     assert_prefill_logits_match(hf, runner, VOCAB)
     prompt = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(2)).tolist()
     assert_greedy_matches(hf, runner, prompt, 12)

@@ -43,6 +43,20 @@ def fp8_to_float(weight: torch.Tensor) -> torch.Tensor:
     return torch.take(table, weight.view(torch.uint8).long()).view(weight.shape)
 
 
+def dequantize_rows(weight: torch.Tensor, scale: torch.Tensor, block_cols: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """FP8 ``weight`` [..., rows, columns] times its scales [..., rows, column blocks] (a scale
+    per row and ``block_cols`` columns; a last, partial block takes the last), in ``dtype``."""
+    values = fp8_to_float(weight)
+    # The scales broadcast over each block's columns (no weight-sized copy of them).
+    full, rest = divmod(weight.shape[-1], block_cols)
+    values[..., :full * block_cols].unflatten(-1, (full, block_cols)).mul_(
+        scale[..., :full, None])
+    if rest:
+        values[..., full * block_cols:].mul_(scale[..., full:])
+    return values.to(dtype)
+
+
 class Fp8Linear(nn.Module):
     """``y = x W^T + b`` with W held as FP8 e4m3 and float32 scales (see the module's
     docstring); the bias stays in the model's dtype."""
@@ -73,15 +87,7 @@ class Fp8Linear(nn.Module):
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight in ``dtype``: each FP8 value times its scale, in float32."""
-        weight = fp8_to_float(self.weight)
-        # The scales broadcast over each block's columns (no weight-sized copy of them); a
-        # last, partial block takes the last scale.
-        full, rest = divmod(self.in_features, self.block_cols)
-        weight[:, :full * self.block_cols].unflatten(1, (full, self.block_cols)).mul_(
-            self.weight_scale[:, :full, None])
-        if rest:
-            weight[:, full * self.block_cols:].mul_(self.weight_scale[:, full:])
-        return weight.to(dtype)
+        return dequantize_rows(self.weight, self.weight_scale, self.block_cols, dtype)
 
     def use_kernel(self, kernel: str) -> None:
         """Computes with FP8 GEMM ``kernel`` ("rowwise", "blockwise"; "": the dequantized
@@ -233,42 +239,64 @@ def scale_rows(module: Fp8Linear, key: str, scale: torch.Tensor, rows: int) -> t
     """A checkpoint's weight scale for ``rows`` output rows of ``module`` in our layout
     [rows, column blocks] float32 (see the module's docstring); ValueError if its shape fits
     neither a per-tensor, a per-channel nor a block scale."""
-    cols = module.weight_scale.shape[1]
+    return fit_scale(key, scale, rows, module.in_features, module.weight_scale.shape[1],
+                     module.block_size)
+
+
+def fit_scale(key: str, scale: torch.Tensor, rows: int, cols: int, col_blocks: int,
+              block_size: tuple[int, int] | None) -> torch.Tensor:
+    """A checkpoint's scale of a [rows, cols] FP8 weight as [rows, col_blocks] float32 (a scale
+    per row and column block); ValueError if it is no per-tensor, per-channel or block scale."""
     scale = scale.float()
-    if scale.numel() == 1:                                   # per tensor
-        return scale.reshape(1, 1).expand(rows, cols)
-    if cols == 1 and scale.shape in ((rows, 1), (rows,)):    # per output channel
+    if scale.numel() == 1:                                         # per tensor
+        return scale.reshape(1, 1).expand(rows, col_blocks)
+    if col_blocks == 1 and scale.shape in ((rows, 1), (rows,)):    # per output channel
         return scale.reshape(rows, 1)
-    row_blocks = -(-rows // module.block_rows)
-    if module.blocked and scale.shape == (row_blocks, cols):
-        return scale.repeat_interleave(module.block_rows, dim=0)[:rows]
-    raise ValueError(f"{key}: scale of shape {tuple(scale.shape)} fits no per-tensor, "
-                     f"per-channel or {module.block_rows}x{module.block_cols} block scale of "
-                     f"{rows}x{module.in_features}")
-
-
-def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor,
-                      block_size: tuple[int, int] | None, key: str) -> torch.Tensor:
-    """An FP8 checkpoint weight [rows, columns] times its scale (per tensor, per output row, or
-    per block of ``block_size``), float32: what the experts of an FP8 mixture-of-experts
-    checkpoint hold until FP8 expert kernels exist. ValueError for a scale of another shape."""
-    rows, cols = weight.shape
-    values, scale = fp8_to_float(weight), scale.float()
-    if scale.numel() == 1:
-        return values * scale.reshape(())
-    if scale.shape in ((rows, 1), (rows,)):
-        return values * scale.reshape(rows, 1)
     if block_size is not None:
-        block_rows, block_cols = block_size
-        if scale.shape == (-(-rows // block_rows), -(-cols // block_cols)):
-            return values * scale.repeat_interleave(block_rows, 0)[:rows].repeat_interleave(
-                block_cols, 1)[:, :cols]
+        block_rows = block_size[0]
+        if scale.shape == (-(-rows // block_rows), col_blocks):
+            return scale.repeat_interleave(block_rows, dim=0)[:rows]
+    blocks = f"{block_size[0]}x{block_size[1]} block" if block_size else "block"
     raise ValueError(f"{key}: scale of shape {tuple(scale.shape)} fits no per-tensor, "
-                     f"per-channel or block scale of {rows}x{cols}")
+                     f"per-channel or {blocks} scale of {rows}x{cols}")
+
+
+@torch.no_grad()
+def use_fp8_experts(net: nn.Module, scheme: Fp8Scheme) -> int:
+    """Every mixture-of-experts layer's experts held as FP8 (empty, for the checkpoint's bytes
+    and scales), where ``scheme`` quantizes them; returns how many layers were."""
+    count = 0
+    for name, module in net.named_modules():
+        if hasattr(module, "use_fp8") and scheme.quantizes(
+                "model." + name.removesuffix(".experts") + ".experts.0.gate_proj"):
+            module.use_fp8(scheme.block_size[1] if scheme.block_size else None)
+            count += 1
+    return count
+
+
+@torch.no_grad()
+def quantize_experts(net: nn.Module) -> int:
+    """--quantization fp8 of a mixture-of-experts model: each expert's 16-bit weights as FP8
+    with a scale per output row, one layer at a time; returns how many layers were."""
+    count = 0
+    for module in net.modules():
+        if not hasattr(module, "use_fp8") or module.gate_up_proj.dtype == FP8_DTYPE:
+            continue
+        dense = {name: getattr(module, name).data for name in module.WEIGHTS}
+        module.use_fp8(None)
+        for name, weight in dense.items():
+            quantized, scale = quantize_per_channel(weight.flatten(0, 1))
+            getattr(module, name).data.copy_(quantized.view_as(weight))
+            getattr(module, name + "_scale").data.copy_(scale.view(*weight.shape[:2], 1))
+        count += 1
+    return count
 
 
 def describe(net: nn.Module) -> str:
-    """'N of M linear layers in FP8' for the load log."""
+    """'N of M linear layers in FP8' (and the experts') for the load log."""
     linears = [m for m in net.modules() if isinstance(m, (nn.Linear, Fp8Linear))]
     fp8 = sum(isinstance(m, Fp8Linear) for m in linears)
-    return f"{fp8} of {len(linears)} linear layers in FP8"
+    experts = [m for m in net.modules() if hasattr(m, "use_fp8")]
+    fp8_experts = sum(m.gate_up_proj.dtype == FP8_DTYPE for m in experts)
+    return f"{fp8} of {len(linears)} linear layers in FP8" + (
+        f", experts of {fp8_experts} of {len(experts)} layers" if experts else "")

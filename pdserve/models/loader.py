@@ -58,12 +58,6 @@ def load_model(model: str, dtype: str, device: torch.device, seed: int = 0,
     except ValueError as err:   # an unsupported architecture or quantization: one line
         raise ConfigError(f"--model {model}: {err}") from err
     scheme = config.weight_quant
-    if config.num_experts and quantization == "fp8" and scheme is None:
-        # Fp8Linear holds one linear layer; stacked experts have no FP8 form yet (an FP8
-        # checkpoint's experts are dequantized at load).
-        raise ConfigError(f"--model {model}: --quantization fp8 does not quantize "
-                          "mixture-of-experts models yet; serve an FP8 checkpoint of it, or "
-                          "leave the flag out")
     if is_parallel(tp) and (scheme is not None or quantization == "fp8"):
         # Fp8Linear (with its block scales) is not sharded yet.
         raise ConfigError(f"--model {model}: tensor parallelism does not support FP8 weights "
@@ -76,6 +70,7 @@ def load_model(model: str, dtype: str, device: torch.device, seed: int = 0,
         net = net.to(torch_dtype)
         if scheme is not None:
             fp8.use_fp8_linears(net, scheme, torch_dtype)
+            fp8.use_fp8_experts(net, scheme)
     # Then storage on the device, uninitialised (what to_empty does, without the meta
     # tensors' empty_like, whose first call imports sympy: half a second of every worker's
     # start).
@@ -86,9 +81,10 @@ def load_model(model: str, dtype: str, device: torch.device, seed: int = 0,
         _init_random(net, seed)
     if quantization == "fp8" and scheme is None:
         fp8.quantize_linears(net, AT_LOAD)
+        fp8.quantize_experts(net)
         if device.type == "cuda":   # the 16-bit weights' blocks back to the GPU (KV sizing)
             torch.cuda.empty_cache()
-    if any(isinstance(m, fp8.Fp8Linear) for m in net.modules()):
+    if scheme is not None or quantization == "fp8":
         log.info("weights: %s (%s)", fp8.describe(net),
                  scheme.method if scheme else "--quantization fp8, per-channel scales")
         log.info("FP8 GEMMs (--fp8-gemm %s): %s", fp8_gemm,
@@ -192,7 +188,7 @@ def _load_safetensors(net: CausalLM, model_dir: Path) -> None:
     num_layers = net.config.num_layers
     kv_scales = {"k": [1.0] * num_layers, "v": [1.0] * num_layers}
     found_kv_scales = False
-    # FP8 experts (weight, scale) by checkpoint key, dequantized once both are read.
+    # FP8 experts (weight, scale) by checkpoint key, placed once both are read.
     fp8_experts: dict[str, dict[str, torch.Tensor]] = {}
 
     def place(key: str, slot: Slot, name: str, tensor: torch.Tensor) -> None:
@@ -228,7 +224,7 @@ def _load_safetensors(net: CausalLM, model_dir: Path) -> None:
                     found_kv_scales = True
                     continue
                 expert_scale = _EXPERT_SCALE.search(key)
-                if expert_scale:   # experts compute dequantized: input scales are not needed
+                if expert_scale:   # experts take 16-bit activations: no input scales
                     if expert_scale[1] in ("weight_scale_inv", "weight_scale"):
                         weight_key = key[:expert_scale.start(1)] + "weight"
                         fp8_experts.setdefault(weight_key, {})["scale"] = f.get_tensor(key)
@@ -253,9 +249,11 @@ def _load_safetensors(net: CausalLM, model_dir: Path) -> None:
                              f"{'scale' if 'weight' in parts else 'weight'}")
         slot = _slot(net.config, key)
         name = _our_param_name(slot.name)
-        values = fp8.dequantize_weight(parts["weight"], parts["scale"],
-                                       scheme.block_size if scheme else None, key)
-        place(key, slot, name, values.to(params[name].dtype))
+        place(key, slot, name, parts["weight"])   # FP8 bytes into FP8 experts, as they are
+        target = slot.target(params[name + "_scale"])
+        target.copy_(fp8.fit_scale(key, parts["scale"], target.shape[0], parts["weight"].shape[1],
+                                   target.shape[1], scheme.block_size if scheme else None))
+        elements_left[name + "_scale"] -= target.numel()
     missing = [name for name, left in elements_left.items() if left != 0]
     if missing:
         raise ValueError(f"{model_dir}: checkpoint lacks {', '.join(sorted(missing)[:5])}")

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.models import fp8
 from pdserve.models.config import ModelConfig
 from pdserve.parallel.tensor import Part, Sharded, TPGroup, is_parallel
 
@@ -33,12 +34,44 @@ if TYPE_CHECKING:
 
 class Experts(nn.Module):
     """``num_experts`` SwiGLU MLPs without biases, their weights stacked (see the module's
-    docstring)."""
+    docstring). FP8 experts (``use_fp8``) hold e4m3 weights and float32 scales,
+    ``<weight>_scale`` [experts, rows, column blocks], a scale per row and ``scale_cols[name]``
+    columns, as Fp8Linear keeps them."""
+
+    WEIGHTS = ("gate_up_proj", "down_proj")
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.scale_cols: dict[str, int] = {}   # FP8 only
+
+    def use_fp8(self, block_cols: int | None) -> None:
+        """Holds the weights as FP8 from now on, empty, with scales per row and ``block_cols``
+        columns (None: per row), for the loader or quantize_experts to fill."""
+        for name in self.WEIGHTS:
+            weight = getattr(self, name)
+            experts, rows, cols = weight.shape
+            self.scale_cols[name] = min(block_cols or cols, cols)
+            setattr(self, name, nn.Parameter(torch.empty(
+                weight.shape, dtype=fp8.FP8_DTYPE, device=weight.device), requires_grad=False))
+            setattr(self, name + "_scale", nn.Parameter(torch.empty(
+                experts, rows, -(-cols // self.scale_cols[name]), dtype=torch.float32,
+                device=weight.device), requires_grad=False))
+
+    @property
+    def quantized(self) -> bool:
+        return bool(self.scale_cols)
+
+    def weight(self, name: str, dtype: torch.dtype, expert: int | None = None) -> torch.Tensor:
+        """Weight ``name`` of one expert (or all) in ``dtype``: FP8 experts' dequantized."""
+        weight = getattr(self, name)
+        if not self.quantized:
+            return weight if expert is None else weight[expert]
+        scale = getattr(self, name + "_scale")
+        if expert is not None:
+            weight, scale = weight[expert], scale[expert]
+        return fp8.dequantize_rows(weight, scale, self.scale_cols[name], dtype)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
@@ -61,8 +94,10 @@ class Experts(nn.Module):
             token_rows = rows[start:start + count]
             slot = slots[start:start + count]
             start += count
-            h = ctx.ops.silu_and_mul(F.linear(x[token_rows], self.gate_up_proj[expert]))
-            h = F.linear(h, self.down_proj[expert]) * weights[token_rows, slot, None]
+            h = ctx.ops.silu_and_mul(F.linear(x[token_rows],
+                                              self.weight("gate_up_proj", x.dtype, expert)))
+            h = F.linear(h, self.weight("down_proj", x.dtype, expert)) * weights[token_rows,
+                                                                                 slot, None]
             out.index_add_(0, token_rows, h.to(out.dtype))
         return out
 
@@ -73,10 +108,10 @@ class Experts(nn.Module):
         dense = torch.zeros(x.shape[0], self.gate_up_proj.shape[0], dtype=weights.dtype,
                             device=x.device).scatter_(1, chosen, weights)
         experts, tokens = self.gate_up_proj.shape[0], x.shape[0]
-        h = torch.matmul(x, self.gate_up_proj.transpose(1, 2))     # [experts, tokens, 2I]
+        h = torch.matmul(x, self.weight("gate_up_proj", x.dtype).transpose(1, 2))  # [e, t, 2I]
         # Rows of 2I for the elementwise kernel, which takes 2-D inputs.
         h = ctx.ops.silu_and_mul(h.reshape(experts * tokens, -1)).view(experts, tokens, -1)
-        h = torch.matmul(h, self.down_proj.transpose(1, 2))        # [experts, tokens, hidden]
+        h = torch.matmul(h, self.weight("down_proj", x.dtype).transpose(1, 2))    # [e, t, h]
         return torch.einsum("eth,te->th", h.to(dense.dtype), dense).to(x.dtype)
 
 
@@ -154,8 +189,7 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         weights, chosen = self.route(x, ctx)
         if ctx.ops.has_fused_experts and x.is_cuda:
-            out = ctx.ops.fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj,
-                                        weights, chosen)
+            out = ctx.ops.fused_experts(x, self.experts, weights, chosen)
         elif torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             out = self.experts.forward_every_expert(x, weights, chosen, ctx)
         else:

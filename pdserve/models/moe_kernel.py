@@ -17,10 +17,10 @@ from pdserve.models.moe_align import SortedAssignments, sort_by_expert
 
 
 @triton.jit
-def _grouped_gemm(a, w, c, scale, sorted_ids, block_expert, assignments, N, K, rows_per_a,
-                  stride_am, stride_we, stride_wn, stride_cm,
-                  HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+def _grouped_gemm(a, w, c, scale, w_scale, sorted_ids, block_expert, assignments, N, K,
+                  rows_per_a, stride_am, stride_we, stride_wn, stride_cm, stride_se, stride_sn,
+                  scale_cols, HAS_SCALE: tl.constexpr, FP8_W: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     block = tl.program_id(0)
     expert = tl.load(block_expert + block)
     if expert < 0:
@@ -34,8 +34,12 @@ def _grouped_gemm(a, w, c, scale, sorted_ids, block_expert, assignments, N, K, r
     for step in range(0, tl.cdiv(K, BLOCK_K)):
         ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
         x = tl.load(a_rows + ks[None, :], mask=valid[:, None] & (ks[None, :] < K), other=0.0)
-        y = tl.load(w_cols + ks[:, None], mask=(ks[:, None] < K) & (cols[None, :] < N),
-                    other=0.0)
+        w_mask = (ks[:, None] < K) & (cols[None, :] < N)
+        y = tl.load(w_cols + ks[:, None], mask=w_mask, other=0.0)
+        if FP8_W:   # e4m3 weights times their scale (a row's, per scale_cols columns)
+            s = tl.load(w_scale + expert.to(tl.int64) * stride_se + cols[None, :] * stride_sn
+                        + ks[:, None] // scale_cols, mask=w_mask, other=0.0)
+            y = (y.to(tl.float32) * s).to(x.dtype)
         acc = tl.dot(x, y, acc)
     if HAS_SCALE:
         acc = acc * tl.load(scale + ids, mask=valid, other=0.0).to(tl.float32)[:, None]
@@ -49,28 +53,41 @@ def block_m_for(tokens: int) -> int:
 
 
 def grouped_gemm(a: torch.Tensor, weights: torch.Tensor, groups: SortedAssignments,
-                 rows_per_a: int, scale: torch.Tensor | None = None) -> torch.Tensor:
+                 rows_per_a: int, scale: torch.Tensor | None = None,
+                 w_scale: torch.Tensor | None = None, scale_cols: int = 0) -> torch.Tensor:
     """For each assignment ``i``: row ``i // rows_per_a`` of ``a`` [rows, K] times its expert's
-    ``weights`` [experts, N, K] transposed, times ``scale[i]`` if given; [assignments, N]."""
+    ``weights`` [experts, N, K] transposed, times ``scale[i]`` if given; [assignments, N]. FP8
+    ``weights`` come with ``w_scale`` [experts, N, column blocks] of ``scale_cols`` columns."""
     assert a.stride(-1) == 1 and weights.stride(-1) == 1
     n, k = weights.shape[1], weights.shape[2]
     out = torch.empty(groups.assignments, n, dtype=a.dtype, device=a.device)
     block_n = 64 if n <= 1024 else 128
     grid = (groups.block_expert.numel(), triton.cdiv(n, block_n))
-    _grouped_gemm[grid](a, weights, out, scale if scale is not None else a, groups.sorted_ids,
-                        groups.block_expert, groups.assignments, n, k, rows_per_a,
-                        a.stride(0), weights.stride(0), weights.stride(1), out.stride(0),
-                        HAS_SCALE=scale is not None, BLOCK_M=groups.block_m, BLOCK_N=block_n,
-                        BLOCK_K=64)
+    fp8_w = w_scale is not None
+    _grouped_gemm[grid](a, weights, out, scale if scale is not None else a,
+                        w_scale if fp8_w else a, groups.sorted_ids, groups.block_expert,
+                        groups.assignments, n, k, rows_per_a, a.stride(0), weights.stride(0),
+                        weights.stride(1), out.stride(0), w_scale.stride(0) if fp8_w else 0,
+                        w_scale.stride(1) if fp8_w else 0, scale_cols or k,
+                        HAS_SCALE=scale is not None, FP8_W=fp8_w, BLOCK_M=groups.block_m,
+                        BLOCK_N=block_n, BLOCK_K=64)
     return out
 
 
-def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                  weights: torch.Tensor, chosen: torch.Tensor, silu_and_mul) -> torch.Tensor:  # noqa: ANN001
-    """Sum over each token's chosen experts of weight times expert output: ``gate_up``
-    [experts, 2I, hidden], ``down`` [experts, hidden, I], ``weights``/``chosen`` [tokens, k]."""
+def fused_experts(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Tensor,
+                  chosen: torch.Tensor, silu_and_mul) -> torch.Tensor:  # noqa: ANN001
+    """Sum over each token's chosen experts of weight times expert output: ``experts`` a
+    moe.Experts (16-bit or FP8), ``weights``/``chosen`` [tokens, k]."""
     tokens, top_k = chosen.shape
-    groups = sort_by_expert(chosen, gate_up.shape[0], block_m_for(tokens))
-    h = silu_and_mul(grouped_gemm(x.contiguous(), gate_up, groups, top_k))
-    h = grouped_gemm(h, down, groups, 1, weights.reshape(-1).contiguous())
+    groups = sort_by_expert(chosen, experts.gate_up_proj.shape[0], block_m_for(tokens))
+
+    def gemm(a: torch.Tensor, name: str, rows_per_a: int,
+             scale: torch.Tensor | None = None) -> torch.Tensor:
+        if not experts.quantized:
+            return grouped_gemm(a, getattr(experts, name), groups, rows_per_a, scale)
+        return grouped_gemm(a, getattr(experts, name), groups, rows_per_a, scale,
+                            getattr(experts, name + "_scale"), experts.scale_cols[name])
+
+    h = silu_and_mul(gemm(x.contiguous(), "gate_up_proj", top_k))
+    h = gemm(h, "down_proj", 1, weights.reshape(-1).contiguous())
     return h.view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)

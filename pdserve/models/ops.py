@@ -83,12 +83,12 @@ class CudaOps(TorchOps):
 
     has_fused_experts = True
 
-    def fused_experts(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                      weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-        """A mixture-of-experts layer's experts as two grouped GEMMs (moe_kernel.py)."""
+    def fused_experts(self, x: torch.Tensor, experts: torch.nn.Module, weights: torch.Tensor,
+                      chosen: torch.Tensor) -> torch.Tensor:
+        """A mixture-of-experts layer's ``experts`` (moe.Experts) as two grouped GEMMs."""
         from pdserve.models.moe_kernel import fused_experts
 
-        return fused_experts(x, gate_up, down, weights, chosen, self.silu_and_mul)
+        return fused_experts(x, experts, weights, chosen, self.silu_and_mul)
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         shape = x.shape
