@@ -7,8 +7,13 @@ per step, whatever the batch. This measures them alone, with weights rotated thr
 larger than L2 (as a step's 32 layers are), and compares Triton GEMMs that put the weight's rows
 on the tensor cores' M side and the batch on N ("swap AB"), without and with split-K (autotuned
 per shape). Writes JSON; the Triton kernels are measured only, not used by the server.
+``--fp8`` adds the FP8 GEMMs a quantized model runs (pdserve/models/fp8_gemm.py's rowwise
+``torch._scaled_mm``, per-token activation quantization included) and, where sgl_kernel is
+installed, its ``fp8_scaled_mm`` after its one-kernel ``sgl_per_token_quant_fp8``: the
+measurement that chooses between them.
 
     python bench/gemm.py --model llama3-8b --batch-sizes 1,64,96,128,136,192,256
+    python bench/gemm.py --model llama3-8b --batch-sizes 1,64,128 --fp8 --no-triton
 """
 from __future__ import annotations
 
@@ -108,12 +113,52 @@ def graph_time_us(call, weights: list[torch.Tensor], reps: int) -> float:
     return cuda_time_ms(graph.replay, iters=5, warmup=1) * 1e3 / reps
 
 
+def fp8_rows(x: torch.Tensor, weights: list[torch.Tensor], iters: int,
+             bandwidth: float) -> dict[str, float]:
+    """Time and error of ``x`` times each weight quantized to FP8 per output channel, by
+    torch._scaled_mm (pdserve's) and by sgl_kernel's fp8_scaled_mm where it is installed."""
+    from pdserve.models.fp8 import quantize_per_channel
+    from pdserve.models.fp8_gemm import FP8_DTYPE, rowwise_mm
+
+    quantized = [quantize_per_channel(w) for w in weights]
+    scales = [s.reshape(1, -1).contiguous() for _, s in quantized]
+    by_weight = {id(w): i for i, w in enumerate(weights)}
+    impls = {"fp8_torch": lambda w: rowwise_mm(x, quantized[by_weight[id(w)]][0],
+                                               scales[by_weight[id(w)]], None)}
+    try:
+        import sgl_kernel
+
+        xq = torch.empty_like(x, dtype=FP8_DTYPE)
+        xs = torch.empty(x.shape[0], 1, device=x.device, dtype=torch.float32)
+
+        def sgl(w: torch.Tensor) -> torch.Tensor:
+            i = by_weight[id(w)]
+            sgl_kernel.sgl_per_token_quant_fp8(x, xq, xs)
+            return sgl_kernel.fp8_scaled_mm(xq, quantized[i][0].t(), xs, scales[i].view(-1),
+                                            torch.bfloat16, None)
+        impls["fp8_sgl"] = sgl
+    except ImportError:
+        pass
+    n, k = weights[0].shape
+    ref = F.linear(x, weights[0]).float()
+    row = {}
+    for impl, fn in impls.items():
+        us = graph_time_us(fn, weights, iters)
+        row[f"{impl}_us"] = round(us, 1)
+        row[f"{impl}_of_copy_bw"] = round(n * k / (us / 1e6) / bandwidth, 3)
+        row[f"{impl}_max_rel_err"] = round(
+            ((fn(weights[0]).float() - ref).abs().max() / ref.abs().max()).item(), 5)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama3-8b")
     parser.add_argument("--batch-sizes", default="1,64,96,128,136,192,256")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--no-triton", action="store_true")
+    parser.add_argument("--fp8", action="store_true",
+                        help="also time FP8 weights: torch._scaled_mm and sgl_kernel's")
     parser.add_argument("--out", default="bench/results/gemm.json")
     args = parser.parse_args()
     sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -138,6 +183,8 @@ def main() -> None:
                     us = graph_time_us(lambda w, fn=fn: fn(x, w), weights, args.iters)
                 row[f"{impl}_us"] = round(us, 1)
                 row[f"{impl}_of_copy_bw"] = round(weight_bytes / (us / 1e6) / bandwidth, 3)
+            if args.fp8:
+                row.update(fp8_rows(x, weights, args.iters, bandwidth))
             for impl, fn in (("triton", linear), ("triton_splitk", split)):
                 if f"{impl}_us" in row:
                     ref = F.linear(x, weights[0]).float()
@@ -150,7 +197,7 @@ def main() -> None:
     layers = model_config(args.model).num_layers
     for m in sizes:
         rows = [r for r in results if r["m"] == m]
-        for impl in ("cublas", "cublaslt", "triton", "triton_splitk"):
+        for impl in ("cublas", "cublaslt", "triton", "triton_splitk", "fp8_torch", "fp8_sgl"):
             if all(f"{impl}_us" in r for r in rows):
                 per_step.setdefault(m, {})[f"{impl}_ms"] = round(sum(
                     r[f"{impl}_us"] * (1 if r["proj"] == "lm_head" else layers)
