@@ -17,7 +17,7 @@ from pdserve.config import DecodeConfig
 from pdserve.engine.decode_steps import DecodeSteps
 from pdserve.engine.gpu_share import PrefillWatch
 from pdserve.engine.runner import ModelRunner
-from pdserve.errors import InvalidRequest, PdserveError, Unsupported, status_number
+from pdserve.errors import InvalidRequest, PdserveError, status_number
 from pdserve.grpc_util import Server, map_errors
 from pdserve.metrics import DecodeMetrics
 from pdserve.models.source import local_model, served_name, source_config
@@ -70,7 +70,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self.address = address
         self.worker = worker
         self.gpu_uuid = gpu_uuid(runner.device)
-        self.ranked = isinstance(runner, RankedRunner)   # its ranks take decode steps only
 
     @map_errors
     async def Reserve(self, request: decode_pb2.ReserveRequest,
@@ -125,9 +124,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             prompt_ids = list(request.prompt_token_ids)
             self._check_decode(request, params, prompt_ids)
             if request.prefill_here:
-                if self.ranked:
-                    raise Unsupported("this decode worker's tensor-parallel ranks prefill "
-                                      "no prompts: send the prompt to a prefill worker")
                 res = self.table.start_prefill_here(request.request_id)
             else:
                 res = await self.table.start_decoding(request.request_id)
@@ -189,8 +185,7 @@ async def serve(config: DecodeConfig) -> None:
         runner = ModelRunner(config.engine, "decode", config.max_running_requests)
         steps = DecodeSteps(runner, config.max_running_requests)
     steps.warm_up()   # before SERVING: the first requests find every kernel built
-    if not isinstance(runner, RankedRunner):   # and the prompts it prefills itself, if any
-        runner.warm_up(PREFILL_HERE_STEP_TOKENS)
+    runner.warm_up(PREFILL_HERE_STEP_TOKENS)   # and the prompts it prefills itself, if any
     server = make_server(config.server, identity)
     worker = worker_id(config.server, "decode", server.port)
     metrics = DecodeMetrics(worker, served_name(config.engine))

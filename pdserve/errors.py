@@ -31,13 +31,6 @@ class LayoutMismatch(PdserveError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
-class Unsupported(PdserveError):
-    """A request this worker cannot serve as asked, which another way may (say, a prefill_here
-    start on a decode worker whose ranks prefill no prompts)."""
-
-    code = grpc.StatusCode.FAILED_PRECONDITION
-
-
 class NotPermitted(PdserveError):
     code = grpc.StatusCode.PERMISSION_DENIED
 

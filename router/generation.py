@@ -59,10 +59,6 @@ class DecodeLost(Exception):
     """The decode worker went away mid-stream; the request can resume elsewhere."""
 
 
-class PrefillHereRefused(Exception):
-    """The decode worker prefills no prompts itself (its ranks take decode steps only)."""
-
-
 class RetryElsewhere(Exception):
     """A failure before the first token that another worker pair may not have."""
 
@@ -167,7 +163,7 @@ class Generation:
         last_error: PdserveError | None = None
         wait_until = time.monotonic() + WORKER_RETURN_WAIT_S
         attempts = 0
-        # Short prompts are prefilled by their decode worker (no hand-off), unless it cannot.
+        # Short prompts are prefilled by their decode worker (no hand-off).
         here = 0 < len(job.prompt_ids) <= self.config.local_prefill_max_tokens
         while attempts < MAX_ATTEMPTS:
             try:
@@ -202,12 +198,6 @@ class Generation:
                                 yield chunk
                         return
                     first_token = await self._prefill(pair, remaining)
-                except PrefillHereRefused as refused:
-                    log.info("request %s: %s; prefilling it on a prefill worker",
-                             job.request_id, refused)
-                    here = False
-                    attempts -= 1
-                    continue
                 except RetryElsewhere as retry:
                     log.info("request %s: attempt %d failed (%s); trying another pair",
                              job.request_id, attempts, retry)
@@ -277,8 +267,7 @@ class Generation:
     async def _decode(self, pair: PairAttempt, first_token: int | None, output: OutputAssembler,
                       remaining: Remaining) -> AsyncIterator[Chunk]:
         """The decode worker's tokens after ``first_token``, or, None, all of them (it prefills
-        the prompt itself). Raises DecodeLost where another pair can go on, PrefillHereRefused
-        where the decode worker prefills no prompts."""
+        the prompt itself). Raises DecodeLost where another pair can go on."""
         job = pair.job
         started = time.monotonic()
         if not job.output_offset:
@@ -308,9 +297,6 @@ class Generation:
                 if output.finished:
                     return
         except (grpc.aio.AioRpcError, StreamError) as err:
-            if first and err.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                raise PrefillHereRefused(f"decode worker {pair.decode.address}: "
-                                         f"{err.details()}") from err
             if err.code() not in DECODE_LOST:
                 raise upstream(err, pair.decode) from err
             if err.code() in WORKER_GONE:

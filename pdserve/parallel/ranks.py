@@ -39,7 +39,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.batch import SeqInput
 from pdserve.engine.decode_steps import DecodeSteps, StepPlan
 from pdserve.engine.launched_step import LaunchedStep
-from pdserve.engine.runner import ModelRunner
+from pdserve.engine.runner import ModelRunner, StepResult
 from pdserve.engine.sampling import SampleRow
 from pdserve.errors import ConfigError
 from pdserve.kvcache.pool import KVPool
@@ -188,6 +188,13 @@ class RankedRunner:
 
         with self._lock:
             return self._collective(step)  # type: ignore[return-value]
+
+    def step(self, seqs: list[SeqInput], rows: list[SampleRow]) -> StepResult:
+        """One step run by every rank, its tokens once sampled (a decode worker's prompts
+        prefilled here; their pages reach the whole pool, from which the ranks take their
+        heads as the requests join)."""
+        launched = self.launch(seqs, rows)
+        return StepResult(launched.tokens(), launched.mode)
 
     def warm_up(self, num_tokens: int) -> None:
         """Nothing to build on the CPU (the only device ranks run on for now)."""
