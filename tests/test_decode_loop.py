@@ -97,9 +97,13 @@ def test_decode_loop_matches_single_process(tiny_runner, overlap):
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
-def test_prompts_prefilled_by_the_loop_match_single_process(tiny_runner, overlap):
+@pytest.mark.parametrize("step_tokens", [1024, 7], ids=["whole", "chunked"])
+def test_prompts_prefilled_by_the_loop_match_single_process(tiny_runner, overlap, step_tokens,
+                                                           monkeypatch):
     """Half the requests come whole (prefill_here): the loop prefills them between its steps
-    and they decode beside the others, every token as one process gives it."""
+    (in chunks of 7 tokens: a prompt over several steps, several prompts in one) and they
+    decode beside the others, every token as one process gives it."""
+    monkeypatch.setattr("decode_service.scheduler.PREFILL_HERE_STEP_TOKENS", step_tokens)
     jobs = _jobs()
     free_before = tiny_runner.pool.allocator.num_free
     outputs, loop, table = asyncio.run(_decode_all(tiny_runner, jobs, overlap, here=True))
