@@ -20,9 +20,9 @@ from pdserve.errors import AT_FAULT_KEY, NoHealthyWorker, PdserveError, Upstream
 from pdserve.metrics import RouterMetrics
 from pdserve.models.config import ModelConfig
 from pdserve.tokenizer import Tokenizer
+from protos.pdserve.v1 import decode_pb2
 from router.decode_stream import StreamError
 from router.output import Chunk, OutputAssembler
-from protos.pdserve.v1 import decode_pb2
 from router.pair import PairAttempt, upstream
 from router.validation import GenerateInput, GenerationJob, validate
 from router.workers import Worker, WorkerPool

@@ -181,7 +181,8 @@ def _load_safetensors(net: CausalLM, model_dir: Path) -> None:
     from safetensors import safe_open
 
     params = dict(net.named_parameters())
-    # A static input scale is the largest of its fused parts' (and optional until FP8 GEMMs).
+    # A static input scale is the largest of its fused parts' (optional: the FP8 GEMMs quantize
+    # activations per token).
     input_scales = {name: p.zero_() for name, p in params.items() if name.endswith("input_scale")}
     # Elements of each parameter that no checkpoint tensor has filled yet.
     elements_left = {name: p.numel() for name, p in params.items() if name not in input_scales}
