@@ -100,7 +100,7 @@ def test_a_worker_slow_to_answer_one_health_check_stays_healthy(capfd):
     decode = cluster.processes["decode0"]
     try:
         decode.send_signal(signal.SIGSTOP)   # one probe's timeout (1 s), at most two
-        time.sleep(1.6)
+        time.sleep(1.2)
         decode.send_signal(signal.SIGCONT)
         time.sleep(1.0)
         assert "unhealthy" not in capfd.readouterr().err
