@@ -176,13 +176,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 async def serve(config: DecodeConfig) -> None:
     identity = Identity.from_config(config.server)
     favour_step_thread()
+    # The activations of its largest step: a decode batch, or the prompts it prefills itself.
+    step_tokens = max(config.max_running_requests, PREFILL_HERE_STEP_TOKENS)
     if config.engine.tensor_parallel_size > 1:
         check_splits(source_config(config.engine, local_model(config.engine)),
                      config.engine.tensor_parallel_size)
-        runner = RankedRunner(config.engine, "decode", config.max_running_requests)
+        runner = RankedRunner(config.engine, "decode", step_tokens)
         steps = RankedDecodeSteps(runner, config.max_running_requests)
     else:
-        runner = ModelRunner(config.engine, "decode", config.max_running_requests)
+        runner = ModelRunner(config.engine, "decode", step_tokens)
         steps = DecodeSteps(runner, config.max_running_requests)
     steps.warm_up()   # before SERVING: the first requests find every kernel built
     runner.warm_up(PREFILL_HERE_STEP_TOKENS)   # and the prompts it prefills itself, if any

@@ -117,6 +117,11 @@ class ClusterPlan:
         be left without one."""
         count = getattr(self.launcher, role)
         devices = getattr(self.launcher, f"{role}_devices")
+        if role == "prefill" and self.launcher.prefill_on_decode:
+            if count or devices:
+                raise ConfigError("--prefill-on-decode starts no prefill workers: leave out "
+                                  f"--prefill{' and --prefill-devices' if devices else ''}")
+            return 0
         if count < 0:
             raise ConfigError(f"--{role} {count}: give a number of {role} workers, or 0 (auto)")
         if count == 0:

@@ -255,6 +255,10 @@ class LauncherConfig:
                            "turn (0, auto: one per device listed there, else 1)")
     decode: int = setting(0, "decode workers, each on the next of --decode-devices in turn "
                           "(0, auto: one per device listed there, else 1)")
+    prefill_on_decode: bool = setting(False, "start no prefill workers: each decode worker "
+                                      "prefills its own prompts between its decode steps (one "
+                                      "copy of the weights per GPU, no KV hand-off; no prefix "
+                                      "cache)")
     routers: int = setting(0, "router processes, sharing the public ports: one Python process "
                            "relays every streamed message of its clients, and at about 10k "
                            "tokens/s it saturates a core; 0 (auto): 1 where the workers run on "

@@ -163,8 +163,11 @@ class Generation:
         last_error: PdserveError | None = None
         wait_until = time.monotonic() + WORKER_RETURN_WAIT_S
         attempts = 0
-        # Short prompts are prefilled by their decode worker (no hand-off).
-        here = 0 < len(job.prompt_ids) <= self.config.local_prefill_max_tokens
+        # Short prompts are prefilled by their decode worker (no hand-off); every prompt is
+        # where there are no prefill workers.
+        here = 0 < len(job.prompt_ids) and (
+            len(job.prompt_ids) <= self.config.local_prefill_max_tokens
+            or not self.workers.has_prefill_pool)
         while attempts < MAX_ATTEMPTS:
             try:
                 decode_worker = self.workers.pick("decode", job, exclude=frozenset(tried))

@@ -127,6 +127,9 @@ async def serve(config: RouterConfig) -> None:
                          same_gpu_max_imbalance_tokens=config.same_gpu_max_imbalance_tokens,
                          pace=pace)
     generation = Generation(config, model, tokenizer, workers, metrics)
+    if not workers.has_prefill_pool:
+        log.info("router: no prefill workers (--prefill-addrs, --prefill-discovery): decode "
+                 "workers prefill every prompt")
     servicer = GenerationServicer(generation)
     server.add(generate_pb2_grpc.add_GenerationServiceServicer_to_server, servicer,
                [generate_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name])

@@ -113,8 +113,14 @@ class WorkerPool:
         return [w for w in self.workers[role] if w.healthy]
 
     @property
+    def has_prefill_pool(self) -> bool:
+        """Whether prefill workers are configured (else decode workers prefill every prompt)."""
+        return bool(self.sources["prefill"])
+
+    @property
     def ready(self) -> bool:
-        return bool(self.healthy("prefill")) and bool(self.healthy("decode"))
+        return ((bool(self.healthy("prefill")) or not self.has_prefill_pool)
+                and bool(self.healthy("decode")))
 
     def pick(self, role: str, job: GenerationJob, exclude: frozenset[str] = frozenset(),
              near: Worker | None = None) -> Worker:

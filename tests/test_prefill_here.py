@@ -22,6 +22,7 @@ from test_cluster_matches_single_process import (
     _check_greedy_burst,
     _check_sampled_burst,
 )
+from test_config_errors import _one_line_error, _pdserve
 
 from pdserve.engine import local
 from pdserve.sampling_params import SamplingParams
@@ -135,3 +136,23 @@ def test_tensor_parallel_decode_ranks_prefill_here_too(tiny_runner):
         assert pages_at_rest(cluster.wait_at_rest(["decode0"])["decode0"])
     finally:
         cluster.stop()
+
+
+def test_up_with_prefill_on_decode_starts_no_prefill_worker_and_matches(tiny_runner):
+    """One copy of the weights per GPU: decode workers prefill every prompt, long ones in
+    chunks, with the single process's tokens; every page comes back."""
+    cluster = start_cluster(["--prefill-on-decode"])
+    try:
+        assert cluster.workers["prefill"] == [] and len(cluster.workers["decode"]) == 1
+        _check_greedy_burst(cluster.stub(), tiny_runner)
+        _check_sampled_burst(cluster.stub(), tiny_runner)
+        assert metric_sum(cluster.metrics_urls["decode0"],
+                          "pdserve_decode_prefilled_here_tokens_total") >= sum(PROMPT_LENGTHS)
+        assert cluster.wait_all_pages_free()
+    finally:
+        stop_cluster(cluster)
+
+
+def test_prefill_on_decode_refuses_prefill_workers_in_one_line():
+    _one_line_error(_pdserve("up", "--prefill-on-decode", "--prefill", "2"),
+                    "--prefill-on-decode starts no prefill workers")
