@@ -1,22 +1,19 @@
 """FP8 GEMMs (--fp8-gemm scaled_mm) on the CPU: activation quantization, the kernels' scale
-layouts, which layers get which kernel, and a model and a cluster computing with them. The
+layouts, which layers get which kernel, and a model computing with them. The
 rowwise kernel is torch's own on the CPU too; the blockwise one is emulated on the CPU from the
-same quantized operands (tests/test_gpu.py runs the real one)."""
+same quantized operands (tests/test_gpu_fp8.py runs the real one). The cluster with FP8 GEMMs
+is in tests/test_fp8_weights.py."""
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import generate, start_cluster, stop_cluster
 from test_fp8_weights import BLOCK_FP8, VOCAB, compressed_tensors, hf_model, write_fp8_folder
 
 from pdserve.config import EngineConfig
-from pdserve.engine import local
 from pdserve.engine.batch import SeqInput
 from pdserve.engine.runner import ModelRunner
 from pdserve.models import fp8_gemm
 from pdserve.models.fp8 import Fp8Linear, quantize_per_channel
-from pdserve.sampling_params import SamplingParams
-from protos.pdserve.v1 import generate_pb2
 
 CPU = torch.device("cpu")
 # Teacher-forced top-1 agreement of FP8 activations against the dequantized model's: measured
@@ -52,7 +49,7 @@ def fp8_layer(out_features: int, in_features: int, block: tuple[int, int] | None
     dequantized weight."""
     generator = torch.Generator().manual_seed(seed)
     dense = torch.randn(out_features, in_features, generator=generator)
-    layer = Fp8Linear(in_features, out_features, bias, block, False, torch.float32)
+    layer = Fp8Linear(in_features, out_features, bias, block, torch.float32)
     if block is None:
         layer.weight.data, layer.weight_scale.data = quantize_per_channel(dense)
     else:
@@ -97,9 +94,9 @@ def test_block_scales_need_whole_blocks():
     fused = layer.weight_scale.clone()
     fused[64:128] *= 2
     assert fp8_gemm.block_scales(fused, 256, 256, (128, 128)) is None
-    odd = Fp8Linear(192, 200, False, (128, 128), False, torch.float32)
+    odd = Fp8Linear(192, 200, False, (128, 128), torch.float32)
     assert fp8_gemm.kernel_for(odd, CPU) == ("", "200x192 is not whole 128x128 blocks")
-    assert fp8_gemm.kernel_for(Fp8Linear(40, 24, False, None, False, torch.float32),
+    assert fp8_gemm.kernel_for(Fp8Linear(40, 24, False, None, torch.float32),
                                torch.device("cuda")) == ("", "24x40 is not a multiple of 16")
 
 
@@ -148,22 +145,6 @@ def _greedy_agreement(fast: ModelRunner, reference: ModelRunner) -> float:
                                         for t, p in zip(texts, pages)]))
         top1.append(torch.stack(rows).argmax(-1))
     return (top1[0] == top1[1]).float().mean().item()
-
-
-def test_cluster_with_fp8_gemms_matches_the_single_process(tmp_path):
-    folder = tmp_path / "fp8"
-    write_fp8_folder(folder, hf_model("qwen3", "small"), BLOCK_FP8)
-    prompt = torch.randint(2, VOCAB, (23,), generator=torch.Generator().manual_seed(3)).tolist()
-    expected = local.generate(runner_for(folder, "scaled_mm"), prompt,
-                              SamplingParams(max_new_tokens=16))
-    cluster = start_cluster(["--model", str(folder), "--fp8-gemm", "scaled_mm"])
-    try:
-        sampling = generate_pb2.SamplingParams(max_new_tokens=16, ignore_eos=True)
-        ids, _, _, _ = generate(cluster.stub(), token_ids=generate_pb2.TokenIds(ids=prompt),
-                                sampling=sampling)
-        assert ids == expected
-    finally:
-        stop_cluster(cluster)
 
 
 def test_the_32b_class_preset_has_qwen3_32b_shape():

@@ -135,9 +135,9 @@ def reference(model: transformers.PreTrainedModel, weights: dict, folder):
     return type(model).from_pretrained(folder, dtype=torch.float32).eval()
 
 
-def runner_for(folder, quantization: str = "") -> ModelRunner:
+def runner_for(folder, quantization: str = "", fp8_gemm: str = "auto") -> ModelRunner:
     return ModelRunner(EngineConfig(model=str(folder), device="cpu", page_size=4, num_pages=256,
-                                    quantization=quantization), "prefill")
+                                    quantization=quantization, fp8_gemm=fp8_gemm), "prefill")
 
 
 CHECKPOINTS = {
@@ -237,12 +237,17 @@ def test_quantization_fp8_of_a_16_bit_folder_matches_transformers_on_its_fp8_wei
     assert_matches(reference(model, weights, tmp_path / "ref"), runner)
 
 
-def test_cluster_on_an_fp8_folder_matches_the_single_process(tmp_path):
+@pytest.mark.parametrize("family, preset, fp8_gemm", [("llama", "tiny", "auto"),
+                                                      ("qwen3", "small", "scaled_mm")],
+                         ids=["dequantized", "fp8 gemms"])
+def test_cluster_on_an_fp8_folder_matches_the_single_process(tmp_path, family, preset,
+                                                             fp8_gemm):
     folder = tmp_path / "fp8"
-    write_fp8_folder(folder, hf_model("llama", "tiny"), BLOCK_FP8)
+    write_fp8_folder(folder, hf_model(family, preset), BLOCK_FP8)
     prompt = torch.randint(2, VOCAB, (23,), generator=torch.Generator().manual_seed(3)).tolist()
-    expected = local.generate(runner_for(folder), prompt, SamplingParams(max_new_tokens=20))
-    cluster = start_cluster(["--model", str(folder)])
+    expected = local.generate(runner_for(folder, fp8_gemm=fp8_gemm), prompt,
+                              SamplingParams(max_new_tokens=20))
+    cluster = start_cluster(["--model", str(folder), "--fp8-gemm", fp8_gemm])
     try:
         sampling = generate_pb2.SamplingParams(max_new_tokens=20, ignore_eos=True)
         ids, _, _, _ = generate(cluster.stub(), token_ids=generate_pb2.TokenIds(ids=prompt),

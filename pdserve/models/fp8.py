@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 FP8_DTYPE = fp8_gemm.FP8_DTYPE
 FP8_MAX = fp8_gemm.FP8_MAX
 # Checkpoint names of a weight's scale (dequantization multipliers, whatever the name says) and
-# of a static input scale.
+# of a static input scale (not used: the FP8 GEMMs quantize activations per token).
 WEIGHT_SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
 INPUT_SCALE_SUFFIXES = (".input_scale", ".activation_scale")
 
@@ -62,7 +62,7 @@ class Fp8Linear(nn.Module):
     docstring); the bias stays in the model's dtype."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, block_size:
-                 tuple[int, int] | None, static_input: bool, dtype: torch.dtype) -> None:
+                 tuple[int, int] | None, dtype: torch.dtype) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.blocked = block_size is not None
@@ -78,10 +78,6 @@ class Fp8Linear(nn.Module):
                                    requires_grad=False)
         self.weight_scale = nn.Parameter(torch.empty(out_features, col_blocks,
                                                      dtype=torch.float32), requires_grad=False)
-        # Static checkpoints' per-tensor input scale (the largest of fused parts'), for the FP8
-        # GEMMs to come; the dequantized-weight path below computes in the model's dtype.
-        self.input_scale = (nn.Parameter(torch.zeros(1, dtype=torch.float32), requires_grad=False)
-                            if static_input else None)
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
                      if bias else None)
 
@@ -152,7 +148,7 @@ def use_fp8_linears(net: nn.Module, scheme: Fp8Scheme, dtype: torch.dtype) -> No
         linear = net.get_submodule(name)
         net.set_submodule(name, Fp8Linear(
             linear.in_features, linear.out_features, linear.bias is not None, scheme.block_size,
-            scheme.static_input, dtype).to(linear.weight.device))
+            dtype).to(linear.weight.device))
 
 
 @torch.no_grad()
@@ -173,7 +169,7 @@ def quantize_linears(net: nn.Module, scheme: Fp8Scheme) -> int:
     for name in names:
         linear = net.get_submodule(name)
         fp8 = Fp8Linear(linear.in_features, linear.out_features, linear.bias is not None, None,
-                        False, linear.weight.dtype).to(linear.weight.device)
+                        linear.weight.dtype).to(linear.weight.device)
         fp8.weight.data, fp8.weight_scale.data = quantize_per_channel(linear.weight)
         if linear.bias is not None:
             fp8.bias.data = linear.bias.data

@@ -105,7 +105,7 @@ _EXPERT_TENSOR = re.compile(
     r"\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _EXPERT_SCALE = re.compile(
     r"\.(?:mlp|block_sparse_moe)\.experts\.\d+\.(?:gate_proj|up_proj|down_proj|w1|w3|w2)\."
-    r"(weight_scale_inv|weight_scale|input_scale|activation_scale)$")
+    r"(weight_scale_inv|weight_scale)$")
 _EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
                 "down_proj": "down", "w2": "down"}
 
@@ -156,12 +156,10 @@ def _slot(config: ModelConfig, name: str) -> Slot:
 
 
 def _our_param_name(name: str) -> str:
-    """A checkpoint's FP8 scale names as our Fp8Linear's (``weight_scale``, ``input_scale``)."""
-    for suffixes, ours in ((fp8.WEIGHT_SCALE_SUFFIXES, ".weight_scale"),
-                           (fp8.INPUT_SCALE_SUFFIXES, ".input_scale")):
-        for suffix in suffixes:
-            if name.endswith(suffix):
-                return name.removesuffix(suffix) + ours
+    """A checkpoint's FP8 weight scale name as our Fp8Linear's (``weight_scale``)."""
+    for suffix in fp8.WEIGHT_SCALE_SUFFIXES:
+        if name.endswith(suffix):
+            return name.removesuffix(suffix) + ".weight_scale"
     return name
 
 
@@ -181,11 +179,8 @@ def _load_safetensors(net: CausalLM, model_dir: Path) -> None:
     from safetensors import safe_open
 
     params = dict(net.named_parameters())
-    # A static input scale is the largest of its fused parts' (optional: the FP8 GEMMs quantize
-    # activations per token).
-    input_scales = {name: p.zero_() for name, p in params.items() if name.endswith("input_scale")}
     # Elements of each parameter that no checkpoint tensor has filled yet.
-    elements_left = {name: p.numel() for name, p in params.items() if name not in input_scales}
+    elements_left = {name: p.numel() for name, p in params.items()}
     num_layers = net.config.num_layers
     kv_scales = {"k": [1.0] * num_layers, "v": [1.0] * num_layers}
     found_kv_scales = False
@@ -224,21 +219,18 @@ def _load_safetensors(net: CausalLM, model_dir: Path) -> None:
                     kv_scales[kind][layer] = float(f.get_tensor(key).float().reshape(-1)[0])
                     found_kv_scales = True
                     continue
+                if key.endswith(fp8.INPUT_SCALE_SUFFIXES):   # activations: scaled per token
+                    continue
                 expert_scale = _EXPERT_SCALE.search(key)
-                if expert_scale:   # experts take 16-bit activations: no input scales
-                    if expert_scale[1] in ("weight_scale_inv", "weight_scale"):
-                        weight_key = key[:expert_scale.start(1)] + "weight"
-                        fp8_experts.setdefault(weight_key, {})["scale"] = f.get_tensor(key)
+                if expert_scale:
+                    weight_key = key[:expert_scale.start(1)] + "weight"
+                    fp8_experts.setdefault(weight_key, {})["scale"] = f.get_tensor(key)
                     continue
                 slot = _slot(net.config, key)
                 name = _our_param_name(slot.name)
                 if name not in params:
                     raise ValueError(f"{file.name}: unexpected tensor {key!r}")
                 tensor = f.get_tensor(key)
-                if name in input_scales:
-                    input_scales[name].copy_(torch.maximum(input_scales[name],
-                                                           tensor.float().reshape(1)))
-                    continue
                 if slot.expert is not None and tensor.dtype == fp8.FP8_DTYPE:
                     fp8_experts.setdefault(key, {})["weight"] = tensor
                     continue

@@ -10,7 +10,8 @@ Two layouts are understood, as transformers and the checkpoints that publish the
 - ``quant_method: "compressed-tensors"`` (llm-compressor's FP8, FP8-dynamic), format
   ``float-quantized`` or ``naive-quantized``: ``<linear>.weight`` float8_e4m3fn and
   ``<linear>.weight_scale``, [out, 1] (strategy ``channel``) or one element (``tensor``);
-  ``input_scale`` for static input activations.
+  ``input_scale`` for static input activations (read past: activations are quantized per
+  token, fp8_gemm.py).
 
 Anything else is refused by name (ValueError, which ``source_config`` reports as one line).
 """
@@ -36,7 +37,6 @@ class Fp8Scheme:
     method: str
     strategy: str                        # "block", "channel" or "tensor" (weight scales)
     block_size: tuple[int, int] | None   # strategy "block": rows, columns per scale
-    static_input: bool = False           # the checkpoint carries a per-tensor input scale
     ignore: tuple[str, ...] = ()         # HF module names (or patterns) left unquantized
 
     def quantizes(self, hf_module: str) -> bool:
@@ -51,7 +51,7 @@ class Fp8Scheme:
 
 AT_LOAD = Fp8Scheme(method="fp8-at-load", strategy="channel", block_size=None)
 """--quantization fp8 of a 16-bit checkpoint: per-output-channel weight scales, activations
-dynamic per token (on the GPU, once its FP8 GEMMs exist)."""
+dynamic per token (fp8_gemm.py)."""
 
 
 def checkpoint_quant_method(model: str) -> str:
@@ -113,7 +113,7 @@ def _parse_fp8(quant: dict[str, Any]) -> Fp8Scheme:
     ignore = quant.get("modules_to_not_convert") or quant.get("ignored_layers") or ()
     return Fp8Scheme(method="fp8", strategy="block" if block else "tensor",
                      block_size=(int(block[0]), int(block[1])) if block else None,
-                     static_input=activation == "static", ignore=tuple(ignore))
+                     ignore=tuple(ignore))
 
 
 def _parse_compressed_tensors(quant: dict[str, Any]) -> Fp8Scheme:
@@ -138,7 +138,6 @@ def _parse_compressed_tensors(quant: dict[str, Any]) -> Fp8Scheme:
     if strategy not in ("tensor", "channel") or weights.get("dynamic"):
         raise ValueError(f"unsupported {name} weight strategy {strategy!r} (supported: static "
                          "tensor, channel)")
-    static_input = False
     inputs = group.get("input_activations")
     if inputs:
         scheme = (inputs.get("num_bits"), inputs.get("type"), inputs.get("strategy"),
@@ -146,7 +145,6 @@ def _parse_compressed_tensors(quant: dict[str, Any]) -> Fp8Scheme:
         if scheme not in ((8, "float", "token", True), (8, "float", "tensor", False)):
             raise ValueError(f"unsupported {name} input_activations {scheme!r} (supported: 8-bit "
                              "float, dynamic per token or static per tensor)")
-        static_input = not scheme[3]
     if group.get("output_activations"):
         raise ValueError(f"unsupported {name} output_activations (supported: none)")
     kv = quant.get("kv_cache_scheme")
@@ -154,5 +152,5 @@ def _parse_compressed_tensors(quant: dict[str, Any]) -> Fp8Scheme:
                != (8, "float", "tensor", False)):
         raise ValueError(f"unsupported {name} kv_cache_scheme {kv!r} (supported: 8-bit float, "
                          "static per tensor: a k_scale and a v_scale per layer)")
-    return Fp8Scheme(method=name, strategy=strategy, block_size=None, static_input=static_input,
+    return Fp8Scheme(method=name, strategy=strategy, block_size=None,
                      ignore=tuple(quant.get("ignore") or ()))
