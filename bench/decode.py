@@ -3,7 +3,8 @@
     python bench/decode.py --model llama3-8b --batch-sizes 1,8,32,64,128,256 --context 1024
 
 Each sequence holds ``--context`` tokens of KV; a step feeds one token per sequence. MBU is
-(weight bytes + KV bytes read) / step time, against the measured device copy bandwidth.
+(weight bytes + KV bytes read) / step time, against the measured device copy bandwidth; of a
+mixture of experts only the experts its tokens choose count (their expected share).
 
 ``--tp-shard N`` times what one GPU of an N-way tensor-parallel decode would run: a preset with
 its query and KV heads and its MLP width divided by N (embedding and LM head whole, as when
@@ -126,6 +127,18 @@ def main() -> None:
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     if cfg.tie_word_embeddings:  # the embedding table is read as the LM head too
         weight_bytes += runner.model.embed_tokens.weight.numel() * 2
+    # A mixture of experts reads only the experts its tokens chose: of E experts with top-k
+    # routing, bs tokens touch E * (1 - (1 - k/E)^bs) of them on average (uniform routing, as
+    # random weights give).
+    experts = [m for m in runner.model.modules() if type(m).__name__ == "Experts"]
+    expert_bytes = sum(p.numel() * p.element_size() for m in experts for p in m.parameters())
+    weight_bytes -= expert_bytes
+
+    def read_bytes(bs: int) -> float:
+        if not experts:
+            return weight_bytes
+        e, k = cfg.num_experts, cfg.num_experts_per_tok
+        return weight_bytes + expert_bytes * (1 - (1 - k / e) ** bs)
     kv_bytes_per_token = runner.pool.bytes_per_page // args.page_size
     bandwidth = copy_bandwidth_bytes_per_s()
     pages = runner.pool.allocator.alloc(max(sizes) * pages_per_seq)
@@ -139,7 +152,7 @@ def main() -> None:
             eager = mode == "eager"
             ms = cuda_time_ms(lambda: sample(runner.forward(seqs, eager=eager), params),
                               iters=args.iters)
-            step_bytes = weight_bytes + bs * (args.context + 1) * kv_bytes_per_token
+            step_bytes = read_bytes(bs) + bs * (args.context + 1) * kv_bytes_per_token
             result[mode] = {"step_ms": round(ms, 4), "tokens_per_s": round(bs / ms * 1e3, 1),
                             "mbu": round(step_bytes / (ms / 1e3) / bandwidth, 4)}
             if mode == "cuda_graph":
@@ -157,13 +170,14 @@ def main() -> None:
               f"(replay {result['cuda_graph']['replay_only_ms']:8.3f} ms) "
               f"({result['cuda_graph']['tokens_per_s']:9.1f} tok/s, MBU {result['cuda_graph']['mbu']:.2f})"
               f" | eager {result['eager']['step_ms']:8.3f} ms | x{result['graph_speedup']}")
-    floor_ms = weight_bytes / bandwidth * 1e3
+    floor_ms = read_bytes(1) / bandwidth * 1e3
     write_results(args.out, "decode", {
         "model": model, "tp_shard": args.tp_shard, "context": args.context,
         "page_size": args.page_size,
         "attention_backend": runner.backend_name, "layer_kernels": runner.model.ops.name,
         "fused_rope_kv": runner.model.fuse_rope_kv, "triton_gemv": runner.model.use_gemv,
-        "weight_bytes": weight_bytes, "copy_bandwidth_bytes_per_s": bandwidth,
+        "weight_bytes": weight_bytes + expert_bytes, "expert_bytes": expert_bytes,
+        "copy_bandwidth_bytes_per_s": bandwidth,
         "bandwidth_floor_bs1_ms": round(floor_ms + kv_bytes_per_token * (args.context + 1)
                                         / bandwidth * 1e3, 4),
         "results": rows})

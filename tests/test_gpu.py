@@ -238,9 +238,10 @@ def test_cuda_graph_decode_step_matches_eager_step(model, rows, blas):
 
 
 def assert_graph_step_matches_eager(runner: ModelRunner, lengths: tuple[int, ...],
-                                    seed: int) -> None:
+                                    seed: int, tolerance: float = 3e-2) -> None:
     """Prompts of ``lengths`` prefilled eagerly, then one decode step of them all replayed in a
-    CUDA graph and run eagerly: the logits agree to bf16 rounding."""
+    CUDA graph and run eagerly: the logits agree to bf16 rounding (``tolerance``, relative to
+    the largest)."""
     rng = random.Random(seed)
     seqs = []
     for length in lengths:
@@ -252,7 +253,7 @@ def assert_graph_step_matches_eager(runner: ModelRunner, lengths: tuple[int, ...
     graph_logits = runner.forward(seqs).clone()
     eager_logits = runner.forward(seqs, eager=True)
     diff = (graph_logits - eager_logits).abs().max() / eager_logits.abs().max()
-    assert diff < 3e-2, diff
+    assert diff < tolerance, diff
 
 
 @pytest.mark.parametrize("model", ["small", "qwen3-0.6b"])

@@ -1,5 +1,5 @@
-"""FP8 on the GPU (run on the GPU machine): torch._scaled_mm's rowwise and blockwise kernels
-against the dequantized weights, inside decode's CUDA graphs, and a block checkpoint against the
+"""FP8 on the GPU (run on the GPU machine): the rowwise and blockwise FP8 GEMMs against the
+dequantized weights, inside CUDA graphs, and a block checkpoint against the
 CPU's emulation of the same kernel; FA3 and FlashInfer over an FP8 KV pool against the torch
 backend over the same pages, and FP8 KV workers against the single process."""
 from __future__ import annotations
@@ -61,11 +61,27 @@ def _decode_runner(model: str, **config) -> ModelRunner:
                                     cuda_graph_max_bs=8, **config), "decode")
 
 
+@pytest.mark.parametrize("block, kernel", [(None, "rowwise"), ((128, 128), "blockwise")])
+def test_fp8_kernels_in_a_cuda_graph_compute_what_they_do_eagerly(block, kernel):
+    layer = fp8_layer(1536, 4096, block, bias=False)[0].to(CUDA)
+    layer.use_kernel(kernel)
+    x = torch.randn(8, 4096, device=CUDA, dtype=torch.bfloat16)
+    eager = layer(x)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = layer(x)
+    graph.replay()
+    assert torch.equal(captured, eager)
+
+
 def test_quantized_model_decodes_in_cuda_graphs_as_it_does_eagerly():
     runner = _decode_runner("qwen3-0.6b", quantization="fp8")
     kernels = {m.kernel for m in runner.model.modules() if isinstance(m, Fp8Linear)}
     assert kernels == {"rowwise"} and runner.graphs is not None
-    assert_graph_step_matches_eager(runner, (1, 17, 64, 200, 333), seed=3)
+    # Graph and eager attention round differently; per-token FP8 quantization of the next
+    # layer's input turns that into steps of up to 2^-4: the bound is FP8's, not bf16's.
+    assert_graph_step_matches_eager(runner, (1, 17, 64, 200, 333), seed=3, tolerance=0.1)
 
 
 def test_fp8_gemm_model_agrees_with_its_dequantized_weights_on_the_gpu():

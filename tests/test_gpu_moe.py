@@ -8,7 +8,6 @@ import random
 
 import pytest
 import torch
-from test_gpu import assert_graph_step_matches_eager
 from test_moe_align import _chosen
 
 from pdserve.config import EngineConfig
@@ -56,7 +55,39 @@ def test_fused_experts_match_the_reference_loop_and_run_in_graphs():
     rng = random.Random(4)
     for length in (3, 40, 130):
         _assert_fused_matches_reference(runner, [rng.randrange(256) for _ in range(length)])
-    assert_graph_step_matches_eager(runner, (3, 40, 130), seed=5)
+    # A whole step: graph and eager attention round differently, and a rounding can move a
+    # token to another expert (routing is a discontinuity), so only the experts are compared
+    # exactly (below); the step must run in its graph.
+    seqs = []
+    for length in (3, 40, 130):
+        pages = runner.pool.allocator.alloc(runner.pool.pages_for(length + 1))
+        runner.forward([SeqInput([rng.randrange(256) for _ in range(length)], 0, pages)])
+        seqs.append(SeqInput([rng.randrange(256)], length, pages))
+    assert runner.graph_mode(seqs, None, eager=False)
+    assert runner.forward(seqs).isfinite().all()
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 8, 64])
+@pytest.mark.parametrize("quantization", ["", "fp8"])
+def test_fused_experts_in_a_cuda_graph_compute_what_they_do_eagerly(tokens, quantization):
+    """The same inputs through the fused experts eagerly and replayed from a graph: equal."""
+    _moe_runner()
+    runner = ModelRunner(EngineConfig(model="small-moe", quantization=quantization,
+                                      page_size=16, num_pages=64, cuda_graph_max_bs=0), "decode")
+    mlp = runner.model.layers[0].mlp
+    generator = torch.Generator(device=CUDA).manual_seed(tokens)
+    x = torch.randn(tokens, mlp.experts.gate_up_proj.shape[-1], device=CUDA,
+                    generator=generator).bfloat16()
+    weights = torch.rand(tokens, 2, device=CUDA, generator=generator)
+    chosen = _chosen(tokens, 8, 2, seed=tokens).to(CUDA)
+    ops = runner.model.ops
+    eager = ops.fused_experts(x, mlp.experts, weights, chosen)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ops.fused_experts(x, mlp.experts, weights, chosen)
+    graph.replay()
+    assert torch.equal(captured, eager)
 
 
 def _assert_fused_matches_reference(runner: ModelRunner, prompt: list[int]) -> None:

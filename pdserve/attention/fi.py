@@ -28,7 +28,9 @@ log = logging.getLogger(__name__)
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
-WORKSPACE_BYTES = 128 << 20
+# FlashInfer's scratch for split-KV partial outputs, which grow with the query heads' width:
+# 256 MiB per 4,096 of it (qwen3-32b's prefill over an FP8 pool, 8,192 wide, needed 192 MiB).
+WORKSPACE_BYTES_PER_4096 = 256 << 20
 # Decode on tensor cores where a KV head serves this many query heads, or the batch has this many
 # rows: from there FlashInfer's tensor-core kernel is as fast as its CUDA-core one or faster,
 # below both slower (bench/results/h200-decode-tensor-cores/).
@@ -105,7 +107,9 @@ class FlashInferBackend(AttentionBackend):
         flashinfer = import_flashinfer()
         self._fi = flashinfer
         device = pool.tensor.device
-        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        width = max(1, -(-num_heads * head_dim // 4096))
+        self.workspace = torch.zeros(WORKSPACE_BYTES_PER_4096 * width, dtype=torch.uint8,
+                                     device=device)
         self.group = num_heads // pool.layout.num_kv_heads
         # Eager decode steps (past the largest graph, or without graphs), by tensor cores or not.
         self.decode_wrappers = {

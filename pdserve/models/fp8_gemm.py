@@ -1,12 +1,17 @@
 """FP8 GEMMs for Fp8Linear: activations quantized on the fly, weights read as FP8 bytes.
 
-Two kernels, both ``torch._scaled_mm`` (cuBLASLt's FP8 tensor-core GEMMs on Hopper):
+Two kernels:
 
 - ``rowwise``: per-output-channel (or per-tensor) weight scales, activations quantized per
-  token (one scale per row). The CPU has this kernel too, so CI runs the same code.
+  token (one scale per row). On CUDA sgl-kernel's one-kernel per-token quantizer and its FP8
+  GEMM (``torch._scaled_mm`` where sgl-kernel is missing: its quantizer is five kernels, 2-3x
+  slower at decode's row counts; bench/results/h100-fp8).
 - ``blockwise``: 128x128 block weight scales (Qwen3-*-FP8, DeepSeek), activations quantized per
-  token and 128-column group. CUDA only (Hopper); on the CPU the same quantization feeds an
-  emulated GEMM, so the layouts are tested without a GPU.
+  token and 128-column group inside the GEMM (fp8_block_kernel.py, Triton): cuBLASLt's
+  blockwise mode is not supported by every build.
+
+On the CPU both are emulated from the same quantized operands (float32 products), so CI tests
+the quantization and the layouts without a GPU or a particular PyTorch's CPU FP8 support.
 
 A static input scale of a checkpoint is not used: per-token scales are at least as accurate.
 ``choose`` picks a layer's kernel; on CUDA it runs the kernel once against the dequantized
@@ -15,6 +20,7 @@ correctness.
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -51,13 +57,35 @@ def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantized.view(rows, cols), column_major
 
 
+@functools.cache
+def _sgl_kernel():  # noqa: ANN202
+    """sgl-kernel where installed (the GPU extra), else None; asked only on CUDA."""
+    try:
+        import sgl_kernel
+    except ImportError:
+        return None
+    return sgl_kernel if hasattr(sgl_kernel, "sgl_per_token_quant_fp8") else None
+
+
 def rowwise_mm(x: torch.Tensor, weight: torch.Tensor, scale_n: torch.Tensor,
                bias: torch.Tensor | None) -> torch.Tensor:
     """``x`` [..., K] times FP8 ``weight`` [N, K] with scales ``scale_n`` [1, N]."""
+    sgl = _sgl_kernel() if x.is_cuda else None
+
     def mm(flat: torch.Tensor) -> torch.Tensor:
+        if sgl is not None:
+            flat = flat.contiguous()
+            quantized = torch.empty_like(flat, dtype=FP8_DTYPE)
+            scale_m = torch.empty(flat.shape[0], 1, dtype=torch.float32, device=flat.device)
+            sgl.sgl_per_token_quant_fp8(flat, quantized, scale_m)
+            return sgl.fp8_scaled_mm(quantized, weight.t(), scale_m, scale_n.view(-1), x.dtype,
+                                     bias)
         quantized, scale_m = quantize_rows(flat)
-        return torch._scaled_mm(quantized, weight.t(), scale_a=scale_m, scale_b=scale_n,
-                                out_dtype=x.dtype, bias=bias)
+        if x.is_cuda:
+            return torch._scaled_mm(quantized, weight.t(), scale_a=scale_m, scale_b=scale_n,
+                                    out_dtype=x.dtype, bias=bias)
+        out = (quantized.float() * scale_m) @ (weight.float() * scale_n.t()).t()
+        return (out if bias is None else out + bias).to(x.dtype)
     return _over_rows(x, weight.shape[0], mm)
 
 
@@ -65,11 +93,11 @@ def blockwise_mm(x: torch.Tensor, weight: torch.Tensor, block_scales: torch.Tens
                  bias: torch.Tensor | None) -> torch.Tensor:
     """``x`` [..., K] times FP8 ``weight`` [N, K] with 128x128 block scales [N/128, K/128]."""
     def mm(flat: torch.Tensor) -> torch.Tensor:
-        quantized, scale_m = quantize_groups(flat)
         if x.is_cuda:
-            out = torch._scaled_mm(quantized, weight.t(), scale_a=scale_m,
-                                   scale_b=block_scales.t(), out_dtype=x.dtype)
-        else:   # no blockwise kernel on the CPU: the same operands, widened
+            from pdserve.models.fp8_block_kernel import block_fp8_mm
+            out = block_fp8_mm(flat, weight, block_scales)
+        else:   # the same operands, widened
+            quantized, scale_m = quantize_groups(flat)
             a = (quantized.float().unflatten(1, (-1, BLOCK)) * scale_m[..., None]).flatten(1)
             b = (weight.float().unflatten(0, (-1, BLOCK)).unflatten(2, (-1, BLOCK))
                  * block_scales[:, None, :, None]).flatten(2).flatten(0, 1)

@@ -19,7 +19,7 @@ from pdserve.models.moe_align import SortedAssignments, sort_by_expert
 @triton.jit
 def _grouped_gemm(a, w, c, scale, w_scale, sorted_ids, block_expert, assignments, N, K,
                   rows_per_a, stride_am, stride_we, stride_wn, stride_cm, stride_se, stride_sn,
-                  scale_cols, HAS_SCALE: tl.constexpr, FP8_W: tl.constexpr,
+                  scale_cols, HAS_SCALE: tl.constexpr, W_SCALES: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     block = tl.program_id(0)
     expert = tl.load(block_expert + block)
@@ -31,16 +31,25 @@ def _grouped_gemm(a, w, c, scale, w_scale, sorted_ids, block_expert, assignments
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_cols = w + expert.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    # FP8 weights' scales (a row's, per scale_cols columns): W_SCALES 1 one per row, applied
+    # once at the end; 2 one per row and step (scale_cols a multiple of BLOCK_K); 3 any other
+    # blocking, element by element. e4m3 values are exact in 16 bits.
+    row_scales = w_scale + expert.to(tl.int64) * stride_se + cols * stride_sn
     for step in range(0, tl.cdiv(K, BLOCK_K)):
         ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
         x = tl.load(a_rows + ks[None, :], mask=valid[:, None] & (ks[None, :] < K), other=0.0)
         w_mask = (ks[:, None] < K) & (cols[None, :] < N)
         y = tl.load(w_cols + ks[:, None], mask=w_mask, other=0.0)
-        if FP8_W:   # e4m3 weights times their scale (a row's, per scale_cols columns)
-            s = tl.load(w_scale + expert.to(tl.int64) * stride_se + cols[None, :] * stride_sn
-                        + ks[:, None] // scale_cols, mask=w_mask, other=0.0)
-            y = (y.to(tl.float32) * s).to(x.dtype)
-        acc = tl.dot(x, y, acc)
+        if W_SCALES == 2:
+            s = tl.load(row_scales + step * BLOCK_K // scale_cols, mask=cols < N, other=0.0)
+            acc += tl.dot(x, y.to(x.dtype)) * s[None, :]
+        elif W_SCALES == 3:
+            s = tl.load(row_scales[None, :] + ks[:, None] // scale_cols, mask=w_mask, other=0.0)
+            acc = tl.dot(x, (y.to(tl.float32) * s).to(x.dtype), acc)
+        else:
+            acc = tl.dot(x, y.to(x.dtype), acc)
+    if W_SCALES == 1:
+        acc = acc * tl.load(row_scales, mask=cols < N, other=0.0)[None, :]
     if HAS_SCALE:
         acc = acc * tl.load(scale + ids, mask=valid, other=0.0).to(tl.float32)[:, None]
     out = c + ids[:, None].to(tl.int64) * stride_cm + cols[None, :]
@@ -64,13 +73,17 @@ def grouped_gemm(a: torch.Tensor, weights: torch.Tensor, groups: SortedAssignmen
     block_n = 64 if n <= 1024 else 128
     grid = (groups.block_expert.numel(), triton.cdiv(n, block_n))
     fp8_w = w_scale is not None
+    block_k = 64
+    scale_cols = scale_cols or k
+    w_scales = (0 if not fp8_w else 1 if scale_cols >= k
+                else 2 if scale_cols % block_k == 0 else 3)
     _grouped_gemm[grid](a, weights, out, scale if scale is not None else a,
                         w_scale if fp8_w else a, groups.sorted_ids, groups.block_expert,
                         groups.assignments, n, k, rows_per_a, a.stride(0), weights.stride(0),
                         weights.stride(1), out.stride(0), w_scale.stride(0) if fp8_w else 0,
-                        w_scale.stride(1) if fp8_w else 0, scale_cols or k,
-                        HAS_SCALE=scale is not None, FP8_W=fp8_w, BLOCK_M=groups.block_m,
-                        BLOCK_N=block_n, BLOCK_K=64)
+                        w_scale.stride(1) if fp8_w else 0, scale_cols,
+                        HAS_SCALE=scale is not None, W_SCALES=w_scales, BLOCK_M=groups.block_m,
+                        BLOCK_N=block_n, BLOCK_K=block_k)
     return out
 
 
