@@ -144,8 +144,9 @@ def main() -> None:
     pages = runner.pool.allocator.alloc(max(sizes) * pages_per_seq)
     rows = []
     for bs in sizes:
-        seqs = [SeqInput([7], args.context, pages[i * pages_per_seq:(i + 1) * pages_per_seq])
-                for i in range(bs)]
+        # A token of its own per sequence: a mixture of experts routes each its own way.
+        seqs = [SeqInput([(7 + 997 * i) % cfg.vocab_size], args.context,
+                         pages[i * pages_per_seq:(i + 1) * pages_per_seq]) for i in range(bs)]
         params = [SampleRow(SamplingParams(), 1) for _ in range(bs)]
         result = {"batch_size": bs}
         for mode in ("cuda_graph", "eager"):

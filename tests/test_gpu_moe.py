@@ -73,7 +73,7 @@ def test_fused_experts_in_a_cuda_graph_compute_what_they_do_eagerly(tokens, quan
     """The same inputs through the fused experts eagerly and replayed from a graph: equal."""
     _moe_runner()
     runner = ModelRunner(EngineConfig(model="small-moe", quantization=quantization,
-                                      page_size=16, num_pages=64, cuda_graph_max_bs=0), "decode")
+                                      page_size=16, num_pages=64, cuda_graph_max_bs=1), "decode")
     mlp = runner.model.layers[0].mlp
     generator = torch.Generator(device=CUDA).manual_seed(tokens)
     x = torch.randn(tokens, mlp.experts.gate_up_proj.shape[-1], device=CUDA,
@@ -110,4 +110,3 @@ def test_fp8_experts_in_the_kernel_match_their_dequantized_reference():
                                       num_pages=256, cuda_graph_max_bs=8), "decode")
     assert runner.model.layers[0].mlp.experts.quantized
     _assert_fused_matches_reference(runner, list(range(5, 90)))
-    assert_graph_step_matches_eager(runner, (3, 40, 130), seed=6)
