@@ -110,3 +110,21 @@ def test_fp8_experts_in_the_kernel_match_their_dequantized_reference():
                                       num_pages=256, cuda_graph_max_bs=8), "decode")
     assert runner.model.layers[0].mlp.experts.quantized
     _assert_fused_matches_reference(runner, list(range(5, 90)))
+
+
+@pytest.mark.parametrize("tokens, experts, top_k", [(1, 8, 2), (3, 128, 8), (64, 128, 8),
+                                                     (128, 128, 8), (9, 60, 4)])
+def test_one_program_sort_and_routing_match_their_torch_statements(tokens, experts, top_k):
+    from pdserve.models.moe_kernel import block_m_for, route_top_k, sort_small
+
+    chosen = _chosen(tokens, experts, top_k, seed=tokens).to(CUDA)
+    want = sort_by_expert(chosen, experts, block_m_for(tokens))
+    got = sort_small(chosen.int(), experts, block_m_for(tokens))
+    assert torch.equal(got.sorted_ids, want.sorted_ids)
+    assert torch.equal(got.block_expert, want.block_expert)
+    logits = torch.randn(tokens, experts, device=CUDA).bfloat16()
+    weights, picked = route_top_k(logits, top_k, renormalize=True)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    want_weights, want_picked = torch.topk(probs, top_k, dim=-1)
+    assert torch.equal(picked.long(), want_picked)
+    torch.testing.assert_close(weights, want_weights / want_weights.sum(-1, keepdim=True))

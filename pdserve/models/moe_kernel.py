@@ -56,6 +56,101 @@ def _grouped_gemm(a, w, c, scale, w_scale, sorted_ids, block_expert, assignments
     tl.store(out, acc.to(c.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
 
 
+@triton.jit
+def _sort_small(chosen, sorted_ids, block_expert, count, rows,
+                EXPERTS: tl.constexpr, EXPERTS_P: tl.constexpr, BLOCK_M: tl.constexpr,
+                CHUNK: tl.constexpr):
+    """sort_by_expert in one program: counts, padded offsets, block experts, then each
+    assignment's row (its expert's offset plus its rank among that expert's assignments)."""
+    experts = tl.arange(0, EXPERTS_P)
+    lane = tl.arange(0, CHUNK)
+    counts = tl.zeros([EXPERTS_P], tl.int32)
+    for start in range(0, count, CHUNK):
+        ids = tl.load(chosen + start + lane, mask=start + lane < count, other=EXPERTS_P)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    padded_start = padded_end - padded
+    for first in range(0, rows // BLOCK_M, CHUNK):
+        blocks = first + lane
+        owner = tl.sum((padded_end[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32),
+                       axis=1)
+        tl.store(block_expert + blocks, tl.where(owner < EXPERTS, owner, -1),
+                 mask=blocks * BLOCK_M < rows)
+    for start in range(0, rows, CHUNK):
+        tl.store(sorted_ids + start + lane, count, mask=start + lane < rows)
+    tl.debug_barrier()   # the padding is written before any assignment's row
+    placed = tl.zeros([EXPERTS_P], tl.int32)
+    for start in range(0, count, CHUNK):
+        valid = start + lane < count
+        ids = tl.load(chosen + start + lane, mask=valid, other=EXPERTS_P)
+        mine = ids[:, None] == experts[None, :]
+        earlier = (ids[:, None] == ids[None, :]) & (lane[None, :] < lane[:, None])
+        row = (tl.sum(tl.where(mine, (padded_start + placed)[None, :], 0), axis=1)
+               + tl.sum(earlier.to(tl.int32), axis=1))
+        tl.store(sorted_ids + row, (start + lane).to(tl.int32), mask=valid)
+        placed += tl.sum(mine.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _route(logits, weights, chosen, stride, EXPERTS: tl.constexpr, EXPERTS_P: tl.constexpr,
+           TOP_K: tl.constexpr, TOP_K_P: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """One token: softmax over its router logits (float32), its top-k (the lowest index among
+    equals first), renormalised if asked."""
+    token = tl.program_id(0)
+    experts = tl.arange(0, EXPERTS_P)
+    x = tl.load(logits + token * stride + experts, mask=experts < EXPERTS,
+                other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, axis=0))
+    p = p / tl.sum(p, axis=0)
+    slots = tl.arange(0, TOP_K_P)
+    values = tl.zeros([TOP_K_P], tl.float32)
+    picks = tl.zeros([TOP_K_P], tl.int32)
+    for slot in tl.static_range(TOP_K):
+        best = tl.max(p, axis=0)
+        pick = tl.min(tl.where(p == best, experts, EXPERTS_P), axis=0)
+        values = tl.where(slots == slot, best, values)
+        picks = tl.where(slots == slot, pick, picks)
+        p = tl.where(experts == pick, -1.0, p)
+    if RENORMALIZE:
+        values = values / tl.sum(values, axis=0)
+    tl.store(weights + token * TOP_K + slots, values, mask=slots < TOP_K)
+    tl.store(chosen + token * TOP_K + slots, picks, mask=slots < TOP_K)
+
+
+def route_top_k(logits: torch.Tensor, top_k: int,
+                renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's top-k softmax probabilities (float32) and experts (int32), [tokens, top_k]:
+    moe.SparseMoeBlock.route's softmax, topk and division in one launch."""
+    tokens, experts = logits.shape
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+    chosen = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
+    if tokens:
+        _route[(tokens,)](logits, weights, chosen, logits.stride(0), EXPERTS=experts,
+                          EXPERTS_P=triton.next_power_of_2(experts), TOP_K=top_k,
+                          TOP_K_P=triton.next_power_of_2(top_k), RENORMALIZE=renormalize)
+    return weights, chosen
+
+
+# Assignments up to this many are sorted by one Triton program (decode batches: one launch
+# where the PyTorch statement takes about 25); more by sort_by_expert's PyTorch operations.
+SMALL_SORT_MAX = 1024
+
+
+def sort_small(chosen: torch.Tensor, num_experts: int, block_m: int) -> SortedAssignments:
+    """sort_by_expert's result (the same rows and blocks) by one Triton program; for at most
+    SMALL_SORT_MAX assignments."""
+    flat = chosen.reshape(-1).contiguous()
+    count = flat.numel()
+    rows = -(-(count + num_experts * (block_m - 1)) // block_m) * block_m
+    sorted_ids = torch.empty(rows, dtype=torch.int32, device=flat.device)
+    block_expert = torch.empty(rows // block_m, dtype=torch.int32, device=flat.device)
+    _sort_small[(1,)](flat, sorted_ids, block_expert, count, rows, EXPERTS=num_experts,
+                      EXPERTS_P=triton.next_power_of_2(num_experts + 1), BLOCK_M=block_m,
+                      CHUNK=64, num_warps=8)
+    return SortedAssignments(sorted_ids, block_expert, count, block_m)
+
+
 def block_m_for(tokens: int) -> int:
     """Rows per block: small for decode batches (less padding per expert), larger for prompts."""
     return 16 if tokens <= 64 else 64
@@ -92,7 +187,8 @@ def fused_experts(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Tens
     """Sum over each token's chosen experts of weight times expert output: ``experts`` a
     moe.Experts (16-bit or FP8), ``weights``/``chosen`` [tokens, k]."""
     tokens, top_k = chosen.shape
-    groups = sort_by_expert(chosen, experts.gate_up_proj.shape[0], block_m_for(tokens))
+    sort = sort_small if tokens * top_k <= SMALL_SORT_MAX else sort_by_expert
+    groups = sort(chosen, experts.gate_up_proj.shape[0], block_m_for(tokens))
 
     def gemm(a: torch.Tensor, name: str, rows_per_a: int,
              scale: torch.Tensor | None = None) -> torch.Tensor:
