@@ -125,6 +125,8 @@ def test_one_program_sort_and_routing_match_their_torch_statements(tokens, exper
     logits = torch.randn(tokens, experts, device=CUDA).bfloat16()
     weights, picked = route_top_k(logits, top_k, renormalize=True)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    want_weights, want_picked = torch.topk(probs, top_k, dim=-1)
-    assert torch.equal(picked.long(), want_picked)
+    want_weights = torch.topk(probs, top_k, dim=-1).values
+    # bf16 logits tie often; among equals the kernel takes the lowest index, torch.topk any.
+    torch.testing.assert_close(probs.gather(1, picked.long()), want_weights)
+    assert (picked.sort(dim=1).values.diff(dim=1) > 0).all()   # k distinct experts
     torch.testing.assert_close(weights, want_weights / want_weights.sum(-1, keepdim=True))
