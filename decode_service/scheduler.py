@@ -13,41 +13,32 @@ between two steps. It shares nothing mutable with the event loop: requests and c
 through a queue, and once per step one callback hands the event loop the step's tokens (for the
 streams' outboxes) and the requests whose pages may be freed (reservations are the event loop's).
 
-On a GPU it shares with a prefill worker (``yield_to_prefill_s`` > 0) the loop lets prefill go
-first, as a one-process engine schedules a waiting prompt before the next decode step: while
-prompts reserved here are still being prefilled, prefill keeps making progress on them, and a
-prefill step is running on this GPU (``engine/gpu_share.py``), it waits up to
-``yield_to_prefill_s`` between steps instead of time-sharing the GPU with every prefill step;
-a prompt's time in gRPC, queues and transfers holds decode back no longer. Decode steps taken at a small batch while a burst is prefilled cost nearly a full
-step each and slow the prefill that would fill the batch; yielding lets the burst land first.
+On a GPU it shares with a prefill worker the loop may wait for prefill between steps
+(``prefill_yield.py``).
 
-A request the router sends here whole (``prefill_here``: a prompt short enough that moving it
-costs more than computing it, the router's --local-prefill-max-tokens) is prefilled by this loop:
-between two decode steps it runs one eager step over such prompts, up to PREFILL_HERE_STEP_TOKENS
-(a longer prompt continues in the next, a chunk a step), their KV going straight into their
-reservations and their first tokens out to their streams; then they join the decode batch like
-any other.
+Prompts the router sends here whole are prefilled by this loop between two decode steps
+(``prefill_here.py``), then join the decode batch like any other.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
 import grpc
 
 from decode_service.outbox import Outbox
+from decode_service.prefill_here import PrefillHereQueue
+from decode_service.prefill_yield import PrefillYield
 from decode_service.reservations import Reservation, ReservationTable
-from pdserve.engine.batch import SeqInput
 from pdserve.engine.decode_slots import SlotJoin
 from pdserve.engine.decode_steps import DecodeSteps, StepPlan
 from pdserve.engine.gpu_share import PrefillWatch
 from pdserve.engine.launched_step import LaunchedStep
 from pdserve.engine.step_loop import Mailbox, Overlap, StepThread, StepTimer
 from pdserve.metrics import DecodeMetrics
-from pdserve.sampling_params import SamplingParams, finish_reason, sample_row
+from pdserve.sampling_params import SamplingParams, finish_reason
 
 log = logging.getLogger(__name__)
 
@@ -108,11 +99,6 @@ class StepOutput:
 
 
 _WAKE = object()
-# The prompt tokens one prefill-here step takes at most (longer prompts take several steps): it
-# bounds how long a step holds decode back, and its activations stay near a decode step's.
-PREFILL_HERE_STEP_TOKENS = 1024
-PREFILL_STALL_S = 1.0   # prefill progress older than this no longer holds decode steps back
-WATCH_POLL_S = 0.0005   # how often a yield looks again whether the prefill step has ended
 
 
 class DecodeLoop:
@@ -124,8 +110,7 @@ class DecodeLoop:
         self.table = table
         self.max_running = min(max_running, steps.slots.max_slots)
         self.metrics = metrics
-        self.yield_to_prefill_s = yield_to_prefill_s
-        self.prefill_watch = prefill_watch   # prefill steps running on this GPU, if known
+        self._yield = PrefillYield(table, yield_to_prefill_s, prefill_watch)
         if yield_to_prefill_s > 0:   # the last prompt prefilled ends a wait at once
             table.on_prefill_idle = lambda: self._commands.put(_WAKE)
         # The event loop's side.
@@ -135,13 +120,12 @@ class DecodeLoop:
         # The loop thread's side.
         self._running: dict[str, DecodeRequest] = {}
         self._waiting: deque[DecodeRequest] = deque()
-        self._to_prefill: deque[DecodeRequest] = deque()   # prefill_here, not yet prefilled
+        self._to_prefill = PrefillHereQueue(steps.runner, metrics)   # prefill_here prompts
         self._retiring: list[DecodeRequest] = []     # done, but in a step not yet collected
         self._free_slots = list(range(steps.slots.max_slots - 1, -1, -1))
         self._joins: list[SlotJoin] = []
         self._launched_steps = 0
         self._collected_steps = 0
-        self._last_launched_at = 0.0                 # time.monotonic(), as prefill progress is
         self._output = StepOutput()
         self._overlap: Overlap[DecodeStep] = Overlap(overlap)
         self._timer = StepTimer(metrics.step_duration, {
@@ -222,7 +206,7 @@ class DecodeLoop:
                 self._hand_over()   # first tokens out now, not after the next decode step
             self._admit()
             # Yielding, the step in flight is still collected (its tokens go out); none follows.
-            step = None if self._yield_left() > 0 else self._plan()
+            step = None if self._yield.left() > 0 else self._plan()
             if step is None and self._overlap.in_flight is None:
                 self._hand_over()
                 continue
@@ -244,7 +228,7 @@ class DecodeLoop:
         for prefill while yielding to it. False once the loop must stop."""
         in_flight = self._overlap.in_flight is not None
         idle = not in_flight and not self._running and not self._waiting and not self._to_prefill
-        yield_s = 0.0 if idle or in_flight else self._yield_left()
+        yield_s = 0.0 if idle or in_flight else self._yield.left()
         if yield_s <= 0:
             return self._take_commands(block=idle)
         self._timer.start()
@@ -252,23 +236,6 @@ class DecodeLoop:
             return False
         self.metrics.yielded.inc(self._timer.lap())
         return True
-
-    def _yield_left(self) -> float:
-        """How much longer the next step waits for prefill (0: launch it now): up to
-        ``yield_to_prefill_s`` since the last step, while prompts reserved here are being
-        prefilled, one joined or left that set within PREFILL_STALL_S, and (where the prefill
-        workers on this GPU are watched) a prefill step is running on it. A prefill that makes
-        no progress (a reservation whose router went away, a prompt queued elsewhere) stops
-        holding decode back, and so does the time a prompt spends off the GPU."""
-        if self.yield_to_prefill_s <= 0 or not self.table.num_prefilling:
-            return 0.0
-        watched = self.prefill_watch is not None
-        if watched and not self.prefill_watch.busy():
-            return 0.0
-        now = time.monotonic()
-        stalls_in = PREFILL_STALL_S - (now - self.table.prefill_progress_at)
-        left = max(0.0, min(stalls_in, self.yield_to_prefill_s - (now - self._last_launched_at)))
-        return min(left, WATCH_POLL_S) if watched else left
 
     def _take_commands(self, block: bool, timeout: float | None = None) -> bool:
         """New requests and cancels; False once the loop must stop."""
@@ -337,36 +304,12 @@ class DecodeLoop:
             self._retire(req)
 
     def _prefill_here(self) -> None:
-        """One eager step over waiting prefill_here prompts, in arrival order, up to
-        PREFILL_HERE_STEP_TOKENS (a longer prompt goes on in the next steps, a chunk each, so no
-        step holds decode back longer than that): their KV into their reservations, and for
-        those whose last chunk this is, the first token, sampled as a prefill worker samples
-        it. A failed step ends its requests alone."""
-        batch: list[tuple[DecodeRequest, int, int]] = []   # request, first position, tokens
-        budget = PREFILL_HERE_STEP_TOKENS
-        for req in self._to_prefill:
-            if budget <= 0:
-                break
-            count = min(len(req.prompt_ids) - req.prefilled, budget)
-            batch.append((req, req.prefilled, count))
-            budget -= count
-        seqs = [SeqInput(r.prompt_ids[start:start + n], start, r.reservation.pages)
-                for r, start, n in batch]
-        rows = [sample_row(r.params, r.prompt_ids, [], r.output_offset) for r, _, _ in batch]
-        try:
-            tokens = self.steps.runner.step(seqs, rows).tokens
-        except Exception:
-            log.exception("prefill-here step failed; ending its requests")
-            for req, _, _ in batch:
-                self._to_prefill.remove(req)
-                self._fail(req)
-            return
-        self.metrics.prefilled_here.inc(PREFILL_HERE_STEP_TOKENS - budget)
-        for (req, start, count), token in zip(batch, tokens):
-            req.prefilled = start + count
-            if req.prefilled < len(req.prompt_ids):   # a chunk: its token is not the first
-                continue
-            self._to_prefill.remove(req)
+        """One prefill-here step; the prompts it completed join the batch with their first
+        token (or finish with it)."""
+        done, failed = self._to_prefill.step()
+        for req in failed:
+            self._fail(req)
+        for req, token in done:
             req.generated.append(token)
             reason = req.finish_reason()
             if reason is not None:
@@ -402,7 +345,7 @@ class DecodeLoop:
         return DecodeStep(step_id, batch, plan)
 
     def _launch(self, step: DecodeStep) -> None:
-        self._last_launched_at = time.monotonic()
+        self._yield.launched()
         self._timer.launching(step)
         step.launched = self.steps.launch(step.plan)
         self._timer.lap("launch")

@@ -9,7 +9,8 @@ import grpc
 
 from decode_service.outbox import Final, Outbox
 from decode_service.reservations import ReservationTable
-from decode_service.scheduler import PREFILL_HERE_STEP_TOKENS, DecodeLoop, DecodeRequest
+from decode_service.prefill_here import PREFILL_HERE_STEP_TOKENS
+from decode_service.scheduler import DecodeLoop, DecodeRequest
 from kv_transfer import gpu_uuid, writes_unseen
 from kv_transfer.base import KVTarget
 from kv_transfer.service import KVTransferServicer, offered_engines

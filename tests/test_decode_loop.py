@@ -103,7 +103,7 @@ def test_prompts_prefilled_by_the_loop_match_single_process(tiny_runner, overlap
     """Half the requests come whole (prefill_here): the loop prefills them between its steps
     (in chunks of 7 tokens: a prompt over several steps, several prompts in one) and they
     decode beside the others, every token as one process gives it."""
-    monkeypatch.setattr("decode_service.scheduler.PREFILL_HERE_STEP_TOKENS", step_tokens)
+    monkeypatch.setattr("decode_service.prefill_here.PREFILL_HERE_STEP_TOKENS", step_tokens)
     jobs = _jobs()
     free_before = tiny_runner.pool.allocator.num_free
     outputs, loop, table = asyncio.run(_decode_all(tiny_runner, jobs, overlap, here=True))
@@ -194,7 +194,7 @@ async def _decode_beside_a_prefill(runner, commit_after_s: float | None,
 
 
 def test_decode_holds_steps_back_while_a_prompt_is_prefilled_on_its_gpu(tiny_runner, monkeypatch):
-    import decode_service.scheduler as scheduler
+    import decode_service.prefill_yield as scheduler
     monkeypatch.setattr(scheduler, "PREFILL_STALL_S", 1000.0)
     before_commit, total, yielded = asyncio.run(_decode_beside_a_prefill(tiny_runner, 0.5))
     # One step ran, then none while r1 was prefilled; its commit ended the wait at once (the
@@ -204,14 +204,14 @@ def test_decode_holds_steps_back_while_a_prompt_is_prefilled_on_its_gpu(tiny_run
 
 
 def test_decode_stops_holding_back_for_a_prefill_that_makes_no_progress(tiny_runner, monkeypatch):
-    import decode_service.scheduler as scheduler
+    import decode_service.prefill_yield as scheduler
     monkeypatch.setattr(scheduler, "PREFILL_STALL_S", 0.2)
     _, total, _ = asyncio.run(_decode_beside_a_prefill(tiny_runner, None))
     assert total == 30   # r1 never committed; r0 still finished (the wait allowed was 1000 s)
 
 
 def test_decode_holds_back_only_while_a_prefill_step_runs_on_its_gpu(tiny_runner, monkeypatch):
-    import decode_service.scheduler as scheduler
+    import decode_service.prefill_yield as scheduler
     monkeypatch.setattr(scheduler, "PREFILL_STALL_S", 1000.0)
     gpu = f"test-{uuid.uuid4()}"
     activity = PrefillActivity(gpu)    # this GPU's prefill worker, between steps
