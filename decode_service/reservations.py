@@ -5,6 +5,14 @@ caller's deadline allows (capped by ``wait_s`` where that is set); one that can 
 finds the queue full, or runs out of time waiting gets RESOURCE_EXHAUSTED saying which. Each reservation's
 state follows ``handoff_state.transition``; this table applies it and does what entering a state
 means (start or stop a timer, free the pages). Everything runs on the event loop's thread.
+
+With a prefix cache (``prefix_cache``), the whole prompt pages of requests whose KV this worker
+computed itself (prefill_here) join a radix tree once computed, and stay there when the request
+ends; a later prefill_here prompt takes its longest cached prefix from there: its reservation's first pages become the
+cached ones (locked while it runs; the fresh pages they replace go back to the free list), and
+only the rest of the prompt is computed. Cached pages no request uses count as free for
+admission and are evicted, least recently used first, when the free list runs short. Pages are
+then in exactly one state: free, cached, or held by one reservation.
 """
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ from decode_service.handoff_state import (
 )
 from pdserve.errors import InvalidRequest, Overloaded, UnknownRequest
 from pdserve.kvcache.pool import KVPool
+from pdserve.kvcache.radix import RadixCache, RadixNode
 from pdserve.metrics import DecodeMetrics
 
 log = logging.getLogger(__name__)
@@ -40,12 +49,22 @@ class Reservation:
     state: State = State.RESERVED
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)  # lease or fence
     landed: asyncio.Future | None = field(default=None, repr=False)      # for Decode to await
+    # Prefix cache (prefill_here): the pages of ``pages`` that are the tree's (locked through
+    # ``node``), the prompt's first ``cached_tokens`` taken from it, and the prompt's ids, for
+    # its own whole pages to join the tree once computed.
+    shared: set[int] = field(default_factory=set, repr=False)
+    node: RadixNode | None = field(default=None, repr=False)
+    cached_tokens: int = 0
+    prompt_ids: list[int] | None = field(default=None, repr=False)
 
 
 class ReservationTable:
     def __init__(self, pool: KVPool, max_queued: int, wait_s: float, lease_timeout_s: float,
-                 unseen_writes_possible: bool, metrics: DecodeMetrics | None = None) -> None:
+                 unseen_writes_possible: bool, metrics: DecodeMetrics | None = None,
+                 prefix_cache: bool = False) -> None:
         self.pool = pool
+        self.cache = RadixCache(pool.page_size) if prefix_cache else None
+        self.hit_tokens = 0                              # prompt tokens taken from the cache
         self.metrics = metrics
         self.max_queued = max_queued
         self.wait_s = wait_s
@@ -91,7 +110,7 @@ class ReservationTable:
             raise Overloaded(f"request needs {needed} KV pages; this decode worker has "
                              f"{allocator.total} in all")
         waited_from = time.monotonic()
-        if self._waiters or not allocator.can_alloc(needed):
+        if self._waiters or not self._can_alloc(needed):
             await self._wait_for(needed, deadline_s)
         if self.metrics:
             self.metrics.queue_wait.observe(time.monotonic() - waited_from)
@@ -99,7 +118,7 @@ class ReservationTable:
             self._wake_next()
             raise InvalidRequest(f"request {request_id!r} already has a reservation")
         self.held_pages += needed   # counted first: the allocator's gauges read it
-        res = Reservation(request_id, prompt_len, max_new_tokens, allocator.alloc(needed),
+        res = Reservation(request_id, prompt_len, max_new_tokens, self._alloc(needed),
                           prompt_pages=self.pool.pages_for(prompt_len))
         self._by_id[request_id] = res
         self._count_prefilling(+1)
@@ -133,8 +152,43 @@ class ReservationTable:
         """Lets the first waiter go if its pages are free now (FIFO: later ones wait behind it)."""
         if self._waiters:
             head = self._waiters[0]
-            if not head.done() and self.pool.allocator.can_alloc(head.needed):
+            if not head.done() and self._can_alloc(head.needed):
                 head.set_result(None)
+
+    def _can_alloc(self, num_pages: int) -> bool:
+        """Whether ``num_pages`` are free, counting cached pages no request uses."""
+        free = self.pool.allocator.num_free
+        return free + (self.cache.evictable_pages if self.cache else 0) >= num_pages
+
+    def _alloc(self, num_pages: int) -> list[int]:
+        """``num_pages`` fresh pages, evicting cached ones where the free list is short."""
+        allocator = self.pool.allocator
+        if self.cache is not None and allocator.num_free < num_pages:
+            evicted = self.cache.evict(num_pages - allocator.num_free)
+            allocator.free(evicted)
+            if self.metrics:
+                self.metrics.cache_evicted_pages.inc(len(evicted))
+        return allocator.alloc(num_pages)
+
+    @property
+    def cached_pages(self) -> int:
+        return self.cache.cached_pages if self.cache else 0
+
+    @property
+    def evictable_pages(self) -> int:
+        return self.cache.evictable_pages if self.cache else 0
+
+    def check(self) -> None:
+        """Raises unless every page is in exactly one state (tests call it)."""
+        allocator = self.pool.allocator
+        held = [p for r in self._by_id.values() for p in r.pages if p not in r.shared]
+        cached = self.cache.pages() if self.cache else []
+        if self.cache:
+            self.cache.check()
+        assert len(held) == self.held_pages, (len(held), self.held_pages)
+        assert len(set(held) | set(cached)) == len(held) + len(cached), "a page held twice"
+        assert not [p for p in held + cached if not allocator.in_use(p)], "a held page is free"
+        assert allocator.total - allocator.num_free == len(held) + len(cached), "a page leaked"
 
     def get(self, request_id: str) -> Reservation:
         res = self._by_id.get(request_id)
@@ -195,16 +249,56 @@ class ReservationTable:
         self._fire(res, Event.DECODE)
         return res
 
-    def start_prefill_here(self, request_id: str) -> Reservation:
+    def start_prefill_here(self, request_id: str, prompt_ids: list[int]) -> Reservation:
         """Hands a reservation nobody has written to the decode loop, which computes the
-        prompt's KV into it itself (InvalidRequest once a sender has begun)."""
+        prompt's KV into it itself (InvalidRequest once a sender has begun). With a prefix
+        cache its first pages become the prompt's longest cached prefix (``cached_tokens``):
+        the loop computes the rest."""
         res = self.get(request_id)
         self._fire(res, Event.PREFILL_HERE)
+        if self.cache is None:
+            return res
+        res.prompt_ids = prompt_ids
+        # The prompt's last token is always computed: its logits give the first token.
+        cached, node = self.cache.match(prompt_ids[:len(prompt_ids) - 1])
+        if cached:
+            self.cache.lock(node)
+            displaced = res.pages[:len(cached)]
+            res.pages[:len(cached)] = cached
+            res.shared, res.node = set(cached), node
+            res.cached_tokens = len(cached) * self.pool.page_size
+            self.held_pages -= len(displaced)
+            self.pool.allocator.free(displaced)
+            self.hit_tokens += res.cached_tokens
+            if self.metrics:
+                self.metrics.cache_hit_tokens.inc(res.cached_tokens)
+            self._wake_next()
         return res
+
+    def cache_prompt(self, request_id: str, computed_tokens: int) -> None:
+        """The KV of the first ``computed_tokens`` of a prompt prefilled here is in its pages:
+        its whole pages join the prefix cache (those the tree already had stay the
+        reservation's), locked until the reservation ends."""
+        res = self._by_id.get(request_id)
+        if self.cache is None or res is None or res.prompt_ids is None:
+            return
+        node, adopted = self.cache.insert(res.prompt_ids, res.pages,
+                                          min(computed_tokens, res.prompt_len), after=res.node)
+        if node is res.node:
+            return
+        self.cache.lock(node)
+        if res.node is not None:
+            self.cache.unlock(res.node)
+        res.node = node
+        res.shared |= adopted
+        self.held_pages -= len(adopted)
+        if self.metrics:
+            self.metrics.cache_pages.set(self.cache.cached_pages)
 
     def release(self, request_id: str) -> bool:
         """Done with ``request_id`` (idempotent): its pages are freed, or fenced while a
-        sender's writes may still land. False if there was nothing to release."""
+        sender's writes may still land; those of the prefix cache stay cached. False if there
+        was nothing to release."""
         res = self._by_id.get(request_id)
         if res is None:
             return False
@@ -242,10 +336,17 @@ class ReservationTable:
             res.timer = None
         if res.state is State.RELEASED:
             del self._by_id[res.request_id]
-            self.held_pages -= len(res.pages)
-            self.pool.allocator.free(res.pages)
+            self._free(res)
             self._wake_next()
         self._publish()
+
+    def _free(self, res: Reservation) -> None:
+        """A released reservation's pages: its own are freed, its cached ones unlocked."""
+        if res.node is not None:
+            self.cache.unlock(res.node)   # type: ignore[union-attr]
+        own = [p for p in res.pages if p not in res.shared] if res.shared else res.pages
+        self.held_pages -= len(own)
+        self.pool.allocator.free(own)
 
     def _count_prefilling(self, change: int) -> None:
         self.num_prefilling += change

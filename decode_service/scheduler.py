@@ -93,9 +93,11 @@ class StepOutput:
     failed: list[DecodeRequest] = field(default_factory=list)
     cancelled: list[DecodeRequest] = field(default_factory=list)
     freed: list[DecodeRequest] = field(default_factory=list)   # no step can write their pages
+    prefilled: list[DecodeRequest] = field(default_factory=list)   # prompts prefilled here
 
     def __bool__(self) -> bool:
-        return bool(self.tokens or self.finals or self.failed or self.cancelled or self.freed)
+        return bool(self.tokens or self.finals or self.failed or self.cancelled or self.freed
+                    or self.prefilled)
 
 
 _WAKE = object()
@@ -168,6 +170,8 @@ class DecodeLoop:
         return True
 
     def _deliver(self, output: StepOutput) -> None:
+        for req in output.prefilled:   # their whole pages join the prefix cache
+            self.table.cache_prompt(req.request_id, len(req.prompt_ids))
         for outbox, (request_ids, token_ids) in output.tokens.items():
             outbox.put_step(request_ids, token_ids)
         for req, tokens, reason in output.finals:
@@ -310,6 +314,7 @@ class DecodeLoop:
         for req in failed:
             self._fail(req)
         for req, token in done:
+            self._output.prefilled.append(req)
             req.generated.append(token)
             reason = req.finish_reason()
             if reason is not None:

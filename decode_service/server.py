@@ -125,7 +125,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             prompt_ids = list(request.prompt_token_ids)
             self._check_decode(request, params, prompt_ids)
             if request.prefill_here:
-                res = self.table.start_prefill_here(request.request_id)
+                res = self.table.start_prefill_here(request.request_id, prompt_ids)
             else:
                 res = await self.table.start_decoding(request.request_id)
         except PdserveError as err:
@@ -140,7 +140,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self.loop.add(DecodeRequest(request.request_id, res, params, prompt_ids,
                                     [] if request.prefill_here else [request.first_token_id],
                                     outbox, output_offset=request.output_offset,
-                                    prefill_here=request.prefill_here))
+                                    prefill_here=request.prefill_here,
+                                    prefilled=res.cached_tokens))
 
     def _check_decode(self, request: decode_pb2.DecodeRequest, params: SamplingParams,
                       prompt_ids: list[int]) -> None:
@@ -170,8 +171,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         return worker_info(self.runner, "decode", self.worker, running=self.loop.num_running,
                            queued=self.loop.num_waiting + self.table.num_waiting,
                            reservations=len(self.table), engines=self.engines,
-                           held_pages=self.table.held_pages,
-                           fenced_pages=self.table.num_fenced_pages, gpu_uuid=self.gpu_uuid)
+                           held_pages=self.table.held_pages + self.table.cached_pages,
+                           fenced_pages=self.table.num_fenced_pages,
+                           cached_pages=self.table.cached_pages,
+                           evictable_pages=self.table.evictable_pages, gpu_uuid=self.gpu_uuid)
 
 
 async def serve(config: DecodeConfig) -> None:
@@ -196,8 +199,9 @@ async def serve(config: DecodeConfig) -> None:
     table = ReservationTable(runner.pool, config.max_queued_reservations, config.reserve_wait_s,
                              config.lease_timeout_s,
                              unseen_writes_possible=writes_unseen(engines),
-                             metrics=metrics)
-    metrics.watch_pool(runner.pool.allocator, lambda: table.held_pages)
+                             metrics=metrics,
+                             prefix_cache=not config.disable_local_prefix_cache)
+    metrics.watch_pool(runner.pool.allocator, lambda: table.held_pages + table.cached_pages)
     gpu = gpu_uuid(runner.device)   # yields only while a prefill step runs on this GPU
     loop = DecodeLoop(steps, table,
                       config.max_running_requests, metrics,

@@ -158,6 +158,10 @@ class DecodeConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     max_running_requests: int = setting(256, "largest decode batch")
+    disable_local_prefix_cache: bool = setting(
+        False, "prompts this worker prefills itself (--local-prefill-max-tokens, "
+        "--prefill-on-decode) compute every token instead of reusing the KV pages of the "
+        "longest prefix such prompts left in its pool")
     yield_to_prefill_ms: float = setting(
         -1.0, "on a GPU shared with a prefill worker, hold the next decode step back up to this "
         "long while a prefill step for prompts reserved here runs on the GPU, so prefill runs "
@@ -257,8 +261,7 @@ class LauncherConfig:
                           "(0, auto: one per device listed there, else 1)")
     prefill_on_decode: bool = setting(False, "start no prefill workers: each decode worker "
                                       "prefills its own prompts between its decode steps (one "
-                                      "copy of the weights per GPU, no KV hand-off; no prefix "
-                                      "cache)")
+                                      "copy of the weights per GPU, no KV hand-off)")
     routers: int = setting(0, "router processes, sharing the public ports: one Python process "
                            "relays every streamed message of its clients, and at about 10k "
                            "tokens/s it saturates a core; 0 (auto): 1 where the workers run on "

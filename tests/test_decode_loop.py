@@ -37,10 +37,13 @@ def _jobs() -> list[tuple[list[int], SamplingParams]]:
     return jobs
 
 
-async def _decode_all(runner, jobs, overlap: bool, here: bool = False,
+async def _decode_all(runner, jobs, overlap: bool, here: bool = False, all_here: bool = False,
+                      prefix_cache: bool = False,
                       ) -> tuple[dict[str, list[int]], DecodeLoop, ReservationTable]:
-    """``here``: every other request (the odd ones) is prefilled by the loop itself."""
-    table = ReservationTable(runner.pool, 64, 5.0, 60.0, unseen_writes_possible=False)
+    """``here``: every other request (the odd ones) is prefilled by the loop itself;
+    ``all_here``: every request."""
+    table = ReservationTable(runner.pool, 64, 5.0, 60.0, unseen_writes_possible=False,
+                             prefix_cache=prefix_cache)
     loop = DecodeLoop(DecodeSteps(runner, MAX_RUNNING), table, MAX_RUNNING,
                       DecodeMetrics("test"), overlap=overlap)
     task = asyncio.create_task(loop.run())
@@ -51,18 +54,19 @@ async def _decode_all(runner, jobs, overlap: bool, here: bool = False,
         for i, (prompt, params) in enumerate(jobs):
             request_id = f"r{i}"
             res = await table.reserve(request_id, len(prompt), params.max_new_tokens)
-            if here and i % 2:
-                table.start_prefill_here(request_id)
+            if all_here or (here and i % 2):
+                table.start_prefill_here(request_id, prompt)
                 outputs[request_id] = []
                 loop.add(DecodeRequest(request_id, res, params, prompt, [], outbox,
-                                       prefill_here=True))
-                continue
-            first = runner.step([SeqInput(prompt, 0, res.pages[:res.prompt_pages])],
-                                [sample_row(params, prompt, [])]).tokens[0]
-            table.on_commit(request_id, len(prompt), writes_pending=False)
-            await table.start_decoding(request_id)
-            outputs[request_id] = [first]
-            loop.add(DecodeRequest(request_id, res, params, prompt, [first], outbox))
+                                       prefill_here=True,
+                                       prefilled=res.cached_tokens))
+            else:
+                first = runner.step([SeqInput(prompt, 0, res.pages[:res.prompt_pages])],
+                                    [sample_row(params, prompt, [])]).tokens[0]
+                table.on_commit(request_id, len(prompt), writes_pending=False)
+                await table.start_decoding(request_id)
+                outputs[request_id] = [first]
+                loop.add(DecodeRequest(request_id, res, params, prompt, [first], outbox))
             for _ in range(i % 3):   # later requests join a running batch
                 await asyncio.sleep(0.01)
         while len(finished) < len(jobs):
@@ -111,6 +115,40 @@ def test_prompts_prefilled_by_the_loop_match_single_process(tiny_runner, overlap
         assert outputs[f"r{i}"] == local.generate(tiny_runner, prompt, params), f"request {i}"
     assert table.held_pages == 0 and loop.num_free_slots == MAX_RUNNING
     assert tiny_runner.pool.allocator.num_free == free_before
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_prompts_prefilled_here_take_cached_prefixes_and_match_single_process(tiny_runner,
+                                                                               overlap):
+    """Every prompt prefilled by the loop, with a prefix cache: prompts sharing a prefix with
+    one that ended compute only the rest, and every token is still one process's; the pages
+    are free or cached, each once, and the cache gives them back under pressure."""
+    rng = random.Random(9)
+    prefixes = [[rng.randrange(256) for _ in range(n)] for n in (9, 23)]
+    jobs = []
+    for i in range(12):
+        prompt = prefixes[i % 2] + [rng.randrange(256) for _ in range(rng.randrange(1, 12))]
+        kind = {} if i % 3 else dict(temperature=0.8, seed=i)
+        jobs.append((prompt, SamplingParams(max_new_tokens=rng.randrange(1, 10), **kind)))
+    free_before = tiny_runner.pool.allocator.num_free
+    outputs, loop, table = asyncio.run(_decode_all(tiny_runner, jobs, overlap, all_here=True,
+                                                   prefix_cache=True))
+    for i, (prompt, params) in enumerate(jobs):
+        assert outputs[f"r{i}"] == local.generate(tiny_runner, prompt, params), f"request {i}"
+    assert table.hit_tokens >= 8 * (len(prefixes[0]) // 4 * 4)
+    table.check()
+    assert table.held_pages == 0 and table.cached_pages == table.evictable_pages > 0
+    allocator = tiny_runner.pool.allocator
+    assert allocator.num_free + table.cached_pages == free_before
+    # Admission counts evictable pages as free, and evicts them for a reservation that needs
+    # every page.
+    async def take_all() -> None:
+        res = await table.reserve("all", free_before * tiny_runner.pool.page_size, 1)
+        assert table.cached_pages == 0 and len(res.pages) == free_before
+        table.release("all")
+    asyncio.run(take_all())
+    table.check()
+    assert allocator.num_free == free_before
 
 
 def test_a_failed_prefill_here_step_fails_its_requests_alone(tiny_runner, monkeypatch):

@@ -148,6 +148,18 @@ def test_up_with_prefill_on_decode_starts_no_prefill_worker_and_matches(tiny_run
         _check_sampled_burst(cluster.stub(), tiny_runner)
         assert metric_sum(cluster.metrics_urls["decode0"],
                           "pdserve_decode_prefilled_here_tokens_total") >= sum(PROMPT_LENGTHS)
+        # Prompts that share a prefix with one prefilled before take its pages from the
+        # decode worker's prefix cache, and give the single process's tokens still.
+        prefix = list(b"a system prompt that every one of these requests shares, " * 2)
+        for tail in (b"the first question", b"a second", b"and a third one"):
+            prompt = prefix + list(tail)
+            ids = [t for r in cluster.stub().Generate(generate_pb2.GenerateRequest(
+                token_ids=generate_pb2.TokenIds(ids=prompt), stream=True,
+                sampling=generate_pb2.SamplingParams(max_new_tokens=6, ignore_eos=True)),
+                timeout=60) for t in r.token_ids]
+            assert ids == local.generate(tiny_runner, prompt, SamplingParams(max_new_tokens=6))
+        assert metric_sum(cluster.metrics_urls["decode0"],
+                          "pdserve_prefix_cache_hit_tokens_total") >= 2 * (len(prefix) - 16)
         assert cluster.wait_all_pages_free()
     finally:
         stop_cluster(cluster)
