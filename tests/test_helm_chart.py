@@ -60,8 +60,7 @@ VALUE_SETS = {
             "router": {"chatTemplate": "/etc/templates/chat.jinja"}},
     "fp8": {"model": {"source": "hub", "hub": {"repoId": "Qwen/Qwen3-8B"},
                       "quantization": "fp8", "kvCacheDtype": "fp8_e4m3"},
-            "prefill": {"gpus": 1, "settings": {"attention-backend": "torch"}},
-            "decode": {"gpus": 1, "settings": {"attention-backend": "torch"}}},
+            "prefill": {"gpus": 1}, "decode": {"gpus": 1}},
 }
 
 
@@ -313,10 +312,6 @@ def test_kv_transfer_engine_reaches_the_decode_pods():
     ({"model": {"quantization": "int4"}}, "quantization"),
     ({"decode": {"settings": {"kv-cache-dtype": "fp8_e4m3"}}}, "the chart sets --kv-cache-dtype"),
     ({"prefill": {"settings": {"quantization": "fp8"}}}, "the chart sets --quantization"),
-    ({"model": {"kvCacheDtype": "fp8_e4m3"}, "decode": {"gpus": 1}},
-     "fp8_e4m3 on GPUs needs decode.settings.attention-backend: torch"),
-    ({"model": {"kvCacheDtype": "fp8_e4m3"}, "prefill": {"gpus": 1, "settings": {
-        "attention-backend": "fa"}}}, "needs prefill.settings.attention-backend: torch"),
     ({"decode": {"gpus": 1, "settings": {"tensor-parallel-size": 2}}},
      "decode.settings.tensor-parallel-size: tensor-parallel ranks run on the CPU for now"),
 ])
@@ -402,8 +397,8 @@ def test_fp8_weights_and_kv_cache_reach_both_workers_alike():
     objects, _ = render(VALUE_SETS["fp8"])
     for role in ("prefill", "decode"):
         container = _container(_one(objects, "Deployment", role))
-        assert {"--quantization=fp8", "--kv-cache-dtype=fp8_e4m3",
-                "--attention-backend=torch"} <= set(container["args"])
+        assert {"--quantization=fp8", "--kv-cache-dtype=fp8_e4m3"} <= set(container["args"])
+        assert not any(a.startswith("--attention-backend") for a in container["args"])
         engine = role_config(role, build_parser().parse_args([role, *container["args"]])).engine
         assert (engine.quantization, engine.kv_cache_dtype) == ("fp8", "fp8_e4m3")
     router = _args(_one(objects, "Deployment", "router"))
@@ -412,12 +407,8 @@ def test_fp8_weights_and_kv_cache_reach_both_workers_alike():
     for role in ("prefill", "decode"):
         args = _args(_one(objects, "Deployment", role))
         assert args["kv-cache-dtype"] == "auto" and "quantization" not in args
-    # FP8 KV on the CPU needs no backend setting, nor does a GPU pod told to run on the CPU,
-    # nor one given the torch backend through extraArgs.
+    # FP8 KV needs no backend setting, on the CPU or on GPUs (FA3 and FlashInfer read it).
     render({"model": {"kvCacheDtype": "fp8_e4m3"}})
-    render({"model": {"kvCacheDtype": "fp8_e4m3"},
-            "prefill": {"gpus": 1, "settings": {"device": "cpu"}},
-            "decode": {"gpus": 1, "extraArgs": ["--attention-backend=torch"]}})
 
 
 def test_a_worker_of_several_tensor_parallel_ranks_renders_on_the_cpu():

@@ -105,17 +105,13 @@ app.kubernetes.io/component: {{ .role }}
 {{- end }}
 {{- end -}}
 
-{{/* Flags every worker takes from model: (prefill and decode must agree on them). An FP8 KV
-cache on a GPU needs the torch attention backend for now, and tensor-parallel ranks run on the
-CPU for now (the worker's preflight refuses both otherwise): refused here, before any pod
-starts. */}}
+{{/* Flags every worker takes from model: (prefill and decode must agree on them).
+Tensor-parallel ranks run on the CPU for now (the worker's preflight refuses them on a GPU):
+refused here, before any pod starts. */}}
 {{- define "pdserve.engineArgs" -}}
 {{- $m := .root.Values.model -}}
 {{- $values := index .root.Values .role -}}
 {{- $settings := $values.settings | default dict -}}
-{{- if and (eq $m.kvCacheDtype "fp8_e4m3") (gt (int $values.gpus) 0) (ne (toString (get $settings "device")) "cpu") (ne (toString (get $settings "attention-backend")) "torch") (not (has "--attention-backend=torch" ($values.extraArgs | default list))) -}}
-{{- fail (printf "model.kvCacheDtype fp8_e4m3 on GPUs needs %s.settings.attention-backend: torch for now (the fa and fi kernels do not read FP8 KV pages yet)" .role) -}}
-{{- end -}}
 {{- if and (gt (int (get $settings "tensor-parallel-size" | default 1)) 1) (gt (int $values.gpus) 0) -}}
 {{- fail (printf "%s.settings.tensor-parallel-size: tensor-parallel ranks run on the CPU for now (%s.gpus: 0)" .role .role) -}}
 {{- end -}}
