@@ -123,17 +123,21 @@ def test_a_prefill_here_start_decodes_from_its_own_prompt_and_once(here_cluster,
 
 def test_tensor_parallel_decode_ranks_prefill_here_too(tiny_runner):
     """Every rank of a TP 2 decode worker runs the prompt step (its heads into its pool, the
-    whole pool for the join): the tokens are the single process's."""
+    whole pool for the join), the third prompt from the second's cached prefix: the tokens are
+    the single process's."""
     cluster = start_roles(["prefill", "decode"], router_flags=["--local-prefill-max-tokens", "64"],
                           decode_flags=["--tensor-parallel-size", "2"])
+    shared = list(b"a prefix both ranks cache, ")
     try:
-        for prompt in (list(b"prefilled by both ranks"), list(b"x" * 80)):   # here, remote
+        for prompt in (list(b"prefilled by both ranks"), list(b"x" * 80),   # here, remote
+                       shared + list(b"once"), shared + list(b"and again")):
             ids = [t for r in cluster.stub().Generate(generate_pb2.GenerateRequest(
                 token_ids=generate_pb2.TokenIds(ids=prompt), stream=True,
                 sampling=generate_pb2.SamplingParams(max_new_tokens=8, ignore_eos=True)),
                 timeout=60) for t in r.token_ids]
             assert ids == local.generate(tiny_runner, prompt, SamplingParams(max_new_tokens=8))
-        assert pages_at_rest(cluster.wait_at_rest(["decode0"])["decode0"])
+        info = cluster.wait_at_rest(["decode0"])["decode0"]
+        assert pages_at_rest(info) and info.cached_pages > 0
     finally:
         cluster.stop()
 
