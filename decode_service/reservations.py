@@ -168,6 +168,7 @@ class ReservationTable:
             allocator.free(evicted)
             if self.metrics:
                 self.metrics.cache_evicted_pages.inc(len(evicted))
+                self.metrics.cache_pages.set(self.cache.cached_pages)
         return allocator.alloc(num_pages)
 
     @property
