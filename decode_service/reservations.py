@@ -8,11 +8,12 @@ means (start or stop a timer, free the pages). Everything runs on the event loop
 
 With a prefix cache (``prefix_cache``), the whole prompt pages of requests whose KV this worker
 computed itself (prefill_here) join a radix tree once computed, and stay there when the request
-ends; a later prefill_here prompt takes its longest cached prefix from there: its reservation's first pages become the
-cached ones (locked while it runs; the fresh pages they replace go back to the free list), and
-only the rest of the prompt is computed. Cached pages no request uses count as free for
-admission and are evicted, least recently used first, when the free list runs short. Pages are
-then in exactly one state: free, cached, or held by one reservation.
+ends. A later prefill_here prompt takes its longest cached prefix from there: its reservation's
+first pages become the cached ones (locked while it runs; the fresh pages they replace go back
+to the free list), and only the rest of the prompt is computed. Cached pages no request uses
+count as free for admission and are evicted, least recently used first, when the free list runs
+short (``PrefixPages``, as on a prefill worker). Pages are then in exactly one state: free,
+cached, or held by one reservation.
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ from decode_service.handoff_state import (
 )
 from pdserve.errors import InvalidRequest, Overloaded, UnknownRequest
 from pdserve.kvcache.pool import KVPool
-from pdserve.kvcache.radix import RadixCache, RadixNode
+from pdserve.kvcache.prefix_pages import PrefixPages
+from pdserve.kvcache.radix import RadixNode
 from pdserve.metrics import DecodeMetrics
 
 log = logging.getLogger(__name__)
@@ -63,7 +65,10 @@ class ReservationTable:
                  unseen_writes_possible: bool, metrics: DecodeMetrics | None = None,
                  prefix_cache: bool = False) -> None:
         self.pool = pool
-        self.cache = RadixCache(pool.page_size) if prefix_cache else None
+        # Free and cached pages, as on a prefill worker; the reservations count their own.
+        self.pages = PrefixPages(pool.allocator, pool.page_size, prefix_cache,
+                                 on_evict=metrics.cache_evicted_pages.inc if metrics else None)
+        self.cache = self.pages.cache
         self.hit_tokens = 0                              # prompt tokens taken from the cache
         self.metrics = metrics
         self.max_queued = max_queued
@@ -156,28 +161,21 @@ class ReservationTable:
                 head.set_result(None)
 
     def _can_alloc(self, num_pages: int) -> bool:
-        """Whether ``num_pages`` are free, counting cached pages no request uses."""
-        free = self.pool.allocator.num_free
-        return free + (self.cache.evictable_pages if self.cache else 0) >= num_pages
+        return self.pages.available_pages >= num_pages
 
     def _alloc(self, num_pages: int) -> list[int]:
-        """``num_pages`` fresh pages, evicting cached ones where the free list is short."""
-        allocator = self.pool.allocator
-        if self.cache is not None and allocator.num_free < num_pages:
-            evicted = self.cache.evict(num_pages - allocator.num_free)
-            allocator.free(evicted)
-            if self.metrics:
-                self.metrics.cache_evicted_pages.inc(len(evicted))
-                self.metrics.cache_pages.set(self.cache.cached_pages)
-        return allocator.alloc(num_pages)
+        """``num_pages`` fresh pages (``_can_alloc`` said they fit), evicting cached ones
+        where the free list is short."""
+        self.pages.make_room(num_pages)
+        return self.pool.allocator.alloc(num_pages)
 
     @property
     def cached_pages(self) -> int:
-        return self.cache.cached_pages if self.cache else 0
+        return self.pages.cached_pages
 
     @property
     def evictable_pages(self) -> int:
-        return self.cache.evictable_pages if self.cache else 0
+        return self.pages.evictable_pages
 
     def check(self) -> None:
         """Raises unless every page is in exactly one state (tests call it)."""
@@ -293,8 +291,6 @@ class ReservationTable:
         res.node = node
         res.shared |= adopted
         self.held_pages -= len(adopted)
-        if self.metrics:
-            self.metrics.cache_pages.set(self.cache.cached_pages)
 
     def release(self, request_id: str) -> bool:
         """Done with ``request_id`` (idempotent): its pages are freed, or fenced while a

@@ -202,6 +202,7 @@ async def serve(config: DecodeConfig) -> None:
                              metrics=metrics,
                              prefix_cache=not config.disable_local_prefix_cache)
     metrics.watch_pool(runner.pool.allocator, lambda: table.held_pages + table.cached_pages)
+    metrics.cache_pages.set_function(lambda: table.cached_pages)
     gpu = gpu_uuid(runner.device)   # yields only while a prefill step runs on this GPU
     loop = DecodeLoop(steps, table,
                       config.max_running_requests, metrics,

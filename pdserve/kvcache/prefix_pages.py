@@ -78,9 +78,7 @@ class PrefixPages:
             cached, node = self.cache.match(prompt_ids[:len(prompt_ids) - 1])
             self.cache.lock(node)
         fresh = needed - len(cached)
-        if not self.allocator.can_alloc(fresh) and self.cache is not None:
-            self._evict(fresh - self.allocator.num_free)
-        if not self.allocator.can_alloc(fresh):
+        if not self.make_room(fresh):
             if self.cache is not None and node is not None:
                 self.cache.unlock(node)
             return None
@@ -89,6 +87,13 @@ class PrefixPages:
         self.admitted_tokens += len(prompt_ids)
         self.hit_tokens += len(cached) * self.page_size
         return PromptPages(cached + own, len(cached) * self.page_size, own, node)
+
+    def make_room(self, num_pages: int) -> bool:
+        """Whether ``num_pages`` can be allocated now, evicting unused cached pages where the
+        free list runs short."""
+        if not self.allocator.can_alloc(num_pages) and self.cache is not None:
+            self._evict(num_pages - self.allocator.num_free)
+        return self.allocator.can_alloc(num_pages)
 
     def cache_prompt(self, prompt: PromptPages, prompt_ids: Sequence[int],
                      computed: int | None = None) -> None:
