@@ -237,6 +237,27 @@ def test_cuda_graph_decode_step_matches_eager_step(model, rows, blas):
     assert kv_diff <= 6e-2 * runner.pool.tensor.float().abs().max().item(), kv_diff
 
 
+def test_graph_step_over_rows_sharing_more_pages_than_the_pool_has():
+    """Rows of one decode step may share a cached prefix: eight rows of 33 pages each over a
+    48-page pool replay in a graph (its indices buffer counts rows' pages, not the pool's)
+    and match the eager step."""
+    runner = ModelRunner(EngineConfig(model="small", page_size=16, num_pages=48,
+                                      cuda_graph_max_bs=8), "decode")
+    rng = random.Random(5)
+    prefix = runner.pool.allocator.alloc(32)
+    runner.forward([SeqInput([rng.randrange(256) for _ in range(512)], 0, prefix)])
+    seqs = []
+    for _ in range(8):
+        pages = prefix + runner.pool.allocator.alloc(1)
+        runner.forward([SeqInput([rng.randrange(256) for _ in range(3)], 512, pages)])
+        seqs.append(SeqInput([rng.randrange(256)], 515, pages))
+    assert runner.graph_mode(seqs, None, eager=False)
+    graph_logits = runner.forward(seqs).clone()
+    eager_logits = runner.forward(seqs, eager=True)
+    diff = (graph_logits - eager_logits).abs().max() / eager_logits.abs().max()
+    assert diff < 3e-2, diff
+
+
 def assert_graph_step_matches_eager(runner: ModelRunner, lengths: tuple[int, ...],
                                     seed: int, tolerance: float = 3e-2) -> None:
     """Prompts of ``lengths`` prefilled eagerly, then one decode step of them all replayed in a

@@ -186,13 +186,16 @@ class FlashInferBackend(AttentionBackend):
     # CUDA graphs (decode only)
     def init_capture_graph(self, max_seq_len: int, bs_list: list[int]) -> None:
         device = self.pool.tensor.device
+        # Rows may share pages (a prefix cache), so a step may reference the pool's pages many
+        # times over: a row references at most its own pages, never more than the pool's. The
+        # sizes share one indices buffer: their plans and replays are ordered on one stream.
+        per_row = min(-(-max_seq_len // self.pool.page_size), self.pool.num_pages) + 1
+        indices = torch.zeros(max(bs_list) * per_row, dtype=torch.int32, device=device)
         for bs in bs_list:
-            # A step never references more pages than the pool has, plus one per padding row.
-            max_pages = min(bs * -(-max_seq_len // self.pool.page_size), self.pool.num_pages + bs)
             self.graph_wrappers[bs] = self._fi.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.tensor_cores(bs),
                 paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=device),
-                paged_kv_indices_buffer=torch.zeros(max_pages, dtype=torch.int32, device=device),
+                paged_kv_indices_buffer=indices[:bs * per_row],
                 paged_kv_last_page_len_buffer=torch.zeros(bs, dtype=torch.int32, device=device))
 
     def prepare_for_capture(self, batch: ForwardBatch) -> None:
