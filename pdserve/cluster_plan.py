@@ -64,6 +64,21 @@ class ClusterPlan:
         devices = getattr(self.launcher, f"{role}_devices")
         return devices[index % len(devices)] if devices else self.engine.device
 
+    def _check_rank_gpus(self) -> None:
+        """Workers of several ranks share all their GPUs or none (`up` splits a GPU's memory
+        between the workers on it by their first GPU)."""
+        ranks = self.engine.tensor_parallel_size
+        workers = [(role, index, self.device_of(role, index)) for role, index in self._workers()]
+        for a, (role_a, i, dev_a) in enumerate(workers):
+            for role_b, j, dev_b in workers[a + 1:]:
+                gpus_a, gpus_b = _rank_gpus(dev_a, ranks), _rank_gpus(dev_b, ranks)
+                if set(gpus_a) & set(gpus_b) and gpus_a != gpus_b:
+                    raise ConfigError(
+                        f"--tensor-parallel-size {ranks}: {role_a} worker {i} (cuda:{gpus_a[0]}"
+                        f"..{gpus_a[-1]}) and {role_b} worker {j} (cuda:{gpus_b[0]}.."
+                        f"{gpus_b[-1]}) share part of their GPUs; give them the same first GPU "
+                        "or GPUs apart")
+
     def _workers(self) -> list[tuple[str, int]]:
         return [(role, i) for role in ("prefill", "decode")
                 for i in range(self.worker_count(role))]
@@ -92,6 +107,7 @@ class ClusterPlan:
         check_engine(self.engine)
         for role, index in self._workers():
             check_device(self.device_of(role, index))
+        self._check_rank_gpus()
         check_kv_transfer(self.decode)
         check_prefill(self.prefill)
         check_router(self.router)
@@ -166,6 +182,15 @@ class ClusterPlan:
         return to_argv(self.router, skip=ROUTER_SET_BY_LAUNCHER) + to_argv(source) + [
             "--prefill-addrs", ",".join(prefill_addrs), "--decode-addrs", ",".join(decode_addrs),
             "--http-port", str(http_port)]
+
+
+def _rank_gpus(device: str, ranks: int) -> list[int]:
+    """The GPU indices a worker on ``device`` with ``ranks`` tensor-parallel ranks runs on."""
+    gpu = _gpu(device)
+    if not gpu:
+        return []
+    first = int(gpu.partition(":")[2])
+    return list(range(first, first + ranks))
 
 
 def _gpu(device: str) -> str:

@@ -77,7 +77,8 @@ class EngineConfig(ModelSource):
                                             "0.75, prefill 0.25)")
     attention_backend: str = setting("auto", "auto, or a registered backend (torch, fa, fi)")
     tensor_parallel_size: int = setting(1, "ranks that split each layer (one process each, "
-                                        "this one rank 0); on the CPU for now")
+                                        "this one rank 0; on GPUs rank r of a worker on "
+                                        "cuda:N runs on cuda:N+r, NCCL between them)")
     torch_threads: int = setting(0, "CPU threads for torch (0: torch's default)")
     disable_cuda_graph: bool = setting(False, "decode eagerly instead of replaying CUDA graphs")
     cuda_graph_max_bs: int = setting(256, "largest decode batch captured in a CUDA graph")

@@ -55,20 +55,22 @@ def check_engine(config: EngineConfig) -> None:
 
 
 def check_tensor_parallel(config: EngineConfig) -> None:
-    """Several ranks run on the CPU (gloo) for now."""
+    """Ranks run on the CPU (gloo) or on consecutive GPUs from the worker's (NCCL)."""
     size = config.tensor_parallel_size
     if size < 1:
         raise ConfigError(f"--tensor-parallel-size {size}: give a number of ranks, 1 or more")
-    if size == 1:
+    if size == 1 or config.device == "cpu":
         return
-    on_cpu = config.device == "cpu"
-    if config.device == "auto":
-        import torch
+    import torch
 
-        on_cpu = not torch.cuda.is_available()
-    if not on_cpu:
-        raise ConfigError(f"--tensor-parallel-size {size}: ranks run on the CPU for now "
-                          "(--device cpu); on CUDA use 1")
+    if not torch.cuda.is_available():
+        return   # auto: the CPU; cuda: refused with the device
+    first = int(config.device.partition(":")[2] or 0) if config.device.startswith("cuda") else 0
+    count = torch.cuda.device_count()
+    if first + size > count:
+        raise ConfigError(f"--tensor-parallel-size {size}: its ranks run on cuda:{first} .. "
+                          f"cuda:{first + size - 1}, but this machine has {count} GPU"
+                          f"{'s' if count != 1 else ''}")
 
 
 def kv_cache_gib(value: str) -> float | None:

@@ -301,8 +301,9 @@ def test_kv_transfer_engine_reaches_the_decode_pods():
     ({"decode": {"settings": {"page-size": 32}}}, "decode.settings.page-size: the chart sets"),
     ({"model": {"source": "pvc"}}, "model.pvc.claimName is required"),
     ({"model": {"source": "hub"}}, "model.hub.repoId"),
-    ({"prefill": {"gpus": 2}}, "prefill.gpus: 2: a prefill worker uses one GPU"),
-    ({"decode": {"gpus": 4}}, "decode.gpus: 4: a decode worker uses one GPU"),
+    ({"prefill": {"gpus": 2}}, r"prefill.gpus: 2: a prefill worker takes one GPU per "
+     r"tensor-parallel rank \(settings.tensor-parallel-size: 1\)"),
+    ({"decode": {"gpus": 4}}, "decode.gpus: 4: a decode worker takes one GPU per"),
     ({"router": {"replica": 2}}, "replica"),                       # a typo: unknown key
     ({"prefill": {"gpus": "one"}}, "gpus"),                       # a bad type
     ({"kvTransfer": {"engine": "rdma"}}, "engine"),
@@ -313,7 +314,8 @@ def test_kv_transfer_engine_reaches_the_decode_pods():
     ({"decode": {"settings": {"kv-cache-dtype": "fp8_e4m3"}}}, "the chart sets --kv-cache-dtype"),
     ({"prefill": {"settings": {"quantization": "fp8"}}}, "the chart sets --quantization"),
     ({"decode": {"gpus": 1, "settings": {"tensor-parallel-size": 2}}},
-     "decode.settings.tensor-parallel-size: tensor-parallel ranks run on the CPU for now"),
+     r"decode.gpus: 1: a decode worker takes one GPU per tensor-parallel rank "
+     r"\(settings.tensor-parallel-size: 2\)"),
 ])
 def test_bad_values_fail_with_a_clear_message(values, message):
     with pytest.raises(helm.HelmError, match=message):
@@ -411,6 +413,10 @@ def test_fp8_weights_and_kv_cache_reach_both_workers_alike():
     render({"model": {"kvCacheDtype": "fp8_e4m3"}})
 
 
-def test_a_worker_of_several_tensor_parallel_ranks_renders_on_the_cpu():
+def test_a_worker_of_several_tensor_parallel_ranks_asks_for_a_gpu_a_rank():
     objects, _ = render({"decode": {"settings": {"tensor-parallel-size": 2}}})
     assert "--tensor-parallel-size=2" in _container(_one(objects, "Deployment", "decode"))["args"]
+    objects, _ = render({"decode": {"gpus": 2, "settings": {"tensor-parallel-size": 2}}})
+    container = _container(_one(objects, "Deployment", "decode"))
+    assert "--tensor-parallel-size=2" in container["args"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 2

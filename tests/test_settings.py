@@ -11,6 +11,7 @@ import pytest
 from pdserve.cli import build_parser, role_config
 from pdserve.cluster_plan import YIELD_TO_PREFILL_MS, ClusterPlan
 from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig, RouterConfig
+from pdserve.errors import ConfigError
 from pdserve.sampling_params import SamplingParams, finish_reason, sample_row
 from pdserve.settings import to_argv
 
@@ -106,6 +107,21 @@ def test_up_starts_one_worker_per_listed_device_unless_told_otherwise():
     assert [plan.device_of("decode", i) for i in range(plan.worker_count("decode"))] == [
         "cuda:0", "cuda:1", "cuda:0"]
     assert plan.worker_count("prefill") == 1
+
+
+def test_up_refuses_workers_whose_ranks_share_part_of_their_gpus():
+    """A worker of N ranks on cuda:K runs on cuda:K..K+N-1: workers share all of them (and
+    split their memory) or none."""
+    def check(*flags):
+        ClusterPlan.from_args(build_parser().parse_args(
+            ["up", "--tensor-parallel-size", "2", *flags]))._check_rank_gpus()
+
+    check("--prefill-devices", "cuda:0", "--decode-devices", "cuda:0")
+    check("--prefill-devices", "cuda:0", "--decode-devices", "cuda:2")
+    with pytest.raises(ConfigError, match=r"^--tensor-parallel-size 2: prefill worker 0 "
+                       r"\(cuda:0..1\) and decode worker 0 \(cuda:1..2\) share part of their "
+                       "GPUs; give them the same first GPU or GPUs apart$"):
+        check("--prefill-devices", "cuda:0", "--decode-devices", "cuda:1")
 
 
 def test_up_resolves_auto_devices_and_router_count_from_the_host(monkeypatch):

@@ -127,8 +127,11 @@ class ModelRunner:
             model=self.model_config.name, dtype=str(kv_dtype).removeprefix("torch."),
             page_size=config.page_size, num_layers=self.model_config.num_layers,
             num_kv_heads=heads.num_kv_heads, head_dim=self.model_config.head_dim)
+        self.tp = tp if is_parallel(tp) else None
         num_pages = config.num_pages or self._pages_for_budget(config, kv_dtype, step_tokens,
                                                                min_pool_tokens)
+        if self.tp is not None:   # every rank holds the same pages: as many as the least fits
+            num_pages = self.tp.min(num_pages)
         # A checkpoint's KV scales apply to FP8 pages (16-bit pages need none).
         scales = self.model.kv_scales if is_fp8(kv_dtype) else None
         if scales is not None:
@@ -152,9 +155,9 @@ class ModelRunner:
                  self.backend_name, reason, self.model.ops.name, num_pages, config.page_size,
                  num_pages * config.page_size, self.layout.dtype)
         self.graphs: CudaGraphRunner | None = None
-        # Graphs with the tensor-parallel collectives inside are not captured yet.
+        # Tensor-parallel ranks capture their collectives inside, every rank in the same order.
         if (role == "decode" and self.device.type == "cuda" and not config.disable_cuda_graph
-                and not is_parallel(tp) and self._backend_supports_graphs()):
+                and self._backend_supports_graphs()):
             self.graphs = CudaGraphRunner(self.model, self.attn, self.pool,
                                           config.cuda_graph_max_bs, self.model_config.max_model_len,
                                           config.graph_blas)
@@ -170,7 +173,10 @@ class ModelRunner:
                           step_tokens: int, min_pool_tokens: int = 0) -> int:
         cfg = self.model_config
         page_size = self.layout.page_size
-        bytes_per_page = (cfg.num_layers * 2 * page_size * self.layout.num_kv_heads
+        heads = self.layout.num_kv_heads
+        if self.tp is not None and self.tp.rank == 0:
+            heads += cfg.num_kv_heads   # and the whole model's KV of each page, for hand-offs
+        bytes_per_page = (cfg.num_layers * 2 * page_size * heads
                           * cfg.head_dim * torch.empty((), dtype=dtype).element_size())
         gib = kv_cache_gib(config.kv_cache_gb)
         if gib is None:

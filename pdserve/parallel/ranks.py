@@ -14,9 +14,14 @@ each step wrote into it; a decode worker's ranks take their heads of a request's
 from it as the request joins the batch. Neither side needs to know the other's ranks: any TP
 size hands off to any other.
 
+On GPUs rank r of a worker on cuda:N runs on cuda:N+r; the layers' collectives (and the page
+gathers and scatters) run over NCCL, captured inside decode's CUDA graphs, and the step commands
+over gloo. On the CPU both run over gloo.
+
 A rank that dies takes the worker down: rank 0's next collective fails and its loop ends (the
-worker exits, as on any engine loop failure), and the other ranks exit when rank 0 is gone.
-Gloo on the CPU for now (CUDA: issue 42).
+worker exits, as on any engine loop failure), and the other ranks exit when rank 0 is gone. On
+GPUs a collective waits for a dead peer instead of failing, so rank 0 also watches its ranks'
+processes and exits the moment one ends.
 """
 from __future__ import annotations
 
@@ -39,7 +44,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.batch import SeqInput
 from pdserve.engine.decode_steps import DecodeSteps, StepPlan
 from pdserve.engine.launched_step import LaunchedStep
-from pdserve.engine.runner import ModelRunner, StepResult
+from pdserve.engine.runner import ModelRunner, StepResult, resolve_device
 from pdserve.engine.sampling import SampleRow
 from pdserve.errors import ConfigError
 from pdserve.kvcache.pool import KVPool
@@ -53,6 +58,7 @@ IDLE_TIMEOUT = timedelta(days=365)
 PARENT_POLL_S = 1.0
 JOIN_TIMEOUT = timedelta(seconds=600)   # the ranks loading their shares of the model
 START_POLL_S = 0.2                      # how often a starting worker looks for a rank that died
+WATCH_POLL_S = 0.5                      # how often a GPU worker looks for a rank that died
 
 
 class RankLost(BaseException):
@@ -66,14 +72,29 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _init(rank: int, size: int, port: int) -> TPGroup:
+def _init(rank: int, size: int, port: int, device: torch.device) -> TPGroup:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=size, timeout=JOIN_TIMEOUT)
     # Later collectives wait as long as a worker may stay idle.
-    group = dist.new_group(list(range(size)), timeout=IDLE_TIMEOUT, backend="gloo")
-    return TPGroup(rank, size, group)
+    host = dist.new_group(list(range(size)), timeout=IDLE_TIMEOUT, backend="gloo")
+    if device.type != "cuda":
+        return TPGroup(rank, size, host)
+    torch.cuda.set_device(device)
+    group = dist.new_group(list(range(size)), timeout=IDLE_TIMEOUT, backend="nccl")
+    # NCCL connects at a group's first collective, which no CUDA graph capture may hold.
+    dist.all_reduce(torch.zeros(1, device=device), group=group)
+    torch.cuda.synchronize(device)
+    return TPGroup(rank, size, group, host)
+
+
+def rank_devices(config: EngineConfig) -> list[str]:
+    """Each rank's device: on GPUs rank r of a worker on cuda:N runs on cuda:N+r."""
+    device = resolve_device(config.device)
+    if device.type != "cuda":
+        return [str(device)] * config.tensor_parallel_size
+    return [f"cuda:{device.index + rank}" for rank in range(config.tensor_parallel_size)]
 
 
 def _runner_args(config: EngineConfig, role: str, step_tokens: int, min_pool_tokens: int
@@ -105,14 +126,23 @@ class RankedRunner:
                  min_pool_tokens: int = 0) -> None:
         size = config.tensor_parallel_size
         port = _free_port()
-        args = _runner_args(config, role, step_tokens, min_pool_tokens)
+        devices = rank_devices(config)
         self.ranks = [subprocess.Popen(
             [sys.executable, "-m", "pdserve.parallel.ranks", "--rank", str(rank), "--size",
              str(size), "--port", str(port), "--parent", str(os.getpid())],
-            stdin=subprocess.DEVNULL, env={**os.environ, "PDSERVE_RANK_ARGS": args})
+            stdin=subprocess.DEVNULL, env={**os.environ, "PDSERVE_RANK_ARGS": _runner_args(
+                dataclasses.replace(config, device=devices[rank]), role, step_tokens,
+                min_pool_tokens)})
             for rank in range(1, size)]
-        self.tp = self._join(size, port)
-        self.local = ModelRunner(config, role, step_tokens, min_pool_tokens, tp=self.tp)
+        self._stopping = threading.Event()
+        if devices[0].startswith("cuda"):
+            threading.Thread(target=self._watch_ranks, name="rank-watch", daemon=True).start()
+        self.tp = self._join(size, port, torch.device(devices[0]))
+        try:   # its first collectives wait for the other ranks' models
+            self.local = ModelRunner(dataclasses.replace(config, device=devices[0]), role,
+                                     step_tokens, min_pool_tokens, tp=self.tp)
+        except RuntimeError as err:
+            raise self._start_failed(err) from err
         self.model_config = self.local.model_config
         self.device = self.local.device
         self.profiler = self.local.profiler
@@ -125,25 +155,37 @@ class RankedRunner:
         self.pool = KVPool(layout, self.local.pool.tensor.shape[2], self.local.pool.tensor.dtype,
                            self.device)
         self.pool.allocator = self.local.pool.allocator
-        try:   # waits for the other ranks' models and pools
+        try:   # waits for the other ranks' pools
             _check_same_pages(self.tp, self.pool.tensor.shape[2])
         except RuntimeError as err:
-            for _ in range(50):   # the rank that broke the collective is exiting: name it
-                if self.dead_rank() is not None:
-                    break
-                time.sleep(0.1)
-            raise ConfigError(f"--tensor-parallel-size {size}: a rank failed to start "
-                              f"({self._rank_exits() or err})") from err
+            raise self._start_failed(err) from err
         self._lock = threading.Lock()
 
-    def _join(self, size: int, port: int) -> TPGroup:
+    def _start_failed(self, err: RuntimeError) -> ConfigError:
+        for _ in range(50):   # the rank that broke the collective is exiting: name it
+            if self.dead_rank() is not None:
+                break
+            time.sleep(0.1)
+        return ConfigError(f"--tensor-parallel-size {len(self.ranks) + 1}: a rank failed to "
+                           f"start ({self._rank_exits() or err})")
+
+    def _watch_ranks(self) -> None:
+        """Ends this worker the moment a rank ends (NCCL waits for a dead peer forever)."""
+        while not self._stopping.wait(WATCH_POLL_S):
+            if self.dead_rank() is not None and not self._stopping.is_set():
+                log.error("a tensor-parallel rank is gone (%s): the worker stops",
+                          self._rank_exits())
+                logging.shutdown()
+                os._exit(1)
+
+    def _join(self, size: int, port: int, device: torch.device) -> TPGroup:
         """Rank 0's place in the group, once every rank has joined; a ConfigError as soon as
         a rank exits instead (its own error is on stderr above)."""
         joined: dict[str, object] = {}
 
         def join() -> None:
             try:
-                joined["tp"] = _init(0, size, port)
+                joined["tp"] = _init(0, size, port, device)
             except BaseException as err:  # noqa: BLE001 - raised below
                 joined["error"] = err
 
@@ -181,6 +223,11 @@ class RankedRunner:
             launched = self.local.launch(seqs, rows, None, eager)
             _gather_pages(self.tp, self.local.pool, _written_pages(seqs, self.pool.page_size),
                           self.pool, self.splits)
+            if launched.done is not None:   # the step is done for a hand-off once gathered
+                with self.local.on_device():
+                    gathered = torch.cuda.Event(blocking=True)
+                    gathered.record()
+                launched = dataclasses.replace(launched, done=gathered)
             if on_layer is not None:   # layer-wise writes read the whole pool: it is full now
                 for layer in range(self.model_config.num_layers):
                     on_layer(layer)
@@ -197,10 +244,20 @@ class RankedRunner:
         return StepResult(launched.tokens(), launched.mode)
 
     def warm_up(self, num_tokens: int) -> None:
-        """Nothing to build on the CPU (the only device ranks run on for now)."""
+        """Every rank's throwaway prefill steps (ModelRunner.warm_up), on GPUs."""
+        if self.device.type != "cuda":
+            return
+
+        def warm() -> None:
+            _broadcast(self.tp, ("warm_up", num_tokens))
+            self.local.warm_up(num_tokens)
+
+        with self._lock:
+            self._collective(warm)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Tells the other ranks to exit and waits for them (kills those that do not)."""
+        self._stopping.set()
         try:
             with self._lock:
                 _broadcast(self.tp, ("stop",))
@@ -263,7 +320,21 @@ class RankedDecodeSteps:
             return runner._collective(step)  # type: ignore[return-value]
 
     def warm_up(self) -> None:
-        """Nothing to build on the CPU (the only device ranks run on for now)."""
+        """Every rank's throwaway decode steps (DecodeSteps.warm_up), on GPUs."""
+        if not self.local.on_cuda:
+            return
+        runner = self.runner
+
+        def warm() -> None:
+            _broadcast(runner.tp, ("decode_warm_up",))
+            self._in_launch = True   # every rank releases the warm-up's slots itself
+            try:
+                self.local.warm_up()
+            finally:
+                self._in_launch = False
+
+        with runner._lock:
+            runner._collective(warm)
 
     def wait_idle(self) -> None:
         self.local.wait_idle()
@@ -282,14 +353,14 @@ def _scatter_pages(tp: TPGroup, whole: KVPool | None, local: KVPool, pages: list
 
     if not pages:
         return
-    index = torch.tensor(pages, dtype=torch.long)
+    index = torch.tensor(pages, dtype=torch.long, device=local.tensor.device)
     if whole is not None:
         data = whole.tensor.index_select(2, index).contiguous()
     else:
         shape = list(local.tensor.shape)
         shape[2] = len(pages)
         shape[4] = splits[-1].kv_start + splits[-1].num_kv_heads   # the model's KV heads
-        data = torch.empty(shape, dtype=local.tensor.dtype)
+        data = torch.empty(shape, dtype=local.tensor.dtype, device=local.tensor.device)
     dist.broadcast(data, src=0, group=tp.group)
     split = splits[tp.rank]
     local.tensor[:, :, index] = data[:, :, :, :, split.kv_start:split.kv_start + split.num_kv_heads]
@@ -304,7 +375,7 @@ def _broadcast(tp: TPGroup, command: tuple) -> tuple:
     import torch.distributed as dist
 
     box = [command]
-    dist.broadcast_object_list(box, src=0, group=tp.group)
+    dist.broadcast_object_list(box, src=0, group=tp.host)
     return box[0]
 
 
@@ -312,7 +383,7 @@ def _check_same_pages(tp: TPGroup, num_pages: int) -> None:
     import torch.distributed as dist
 
     counts = [torch.zeros(1, dtype=torch.long) for _ in range(tp.size)]
-    dist.all_gather(counts, torch.tensor([num_pages]), group=tp.group)
+    dist.all_gather(counts, torch.tensor([num_pages]), group=tp.host)
     if len({int(c) for c in counts}) != 1:
         raise RuntimeError(f"the ranks' KV pools differ: {[int(c) for c in counts]} pages")
 
@@ -334,7 +405,7 @@ def _gather_pages(tp: TPGroup, local: KVPool, pages: list[int], export: KVPool |
 
     if not pages:
         return
-    index = torch.tensor(pages, dtype=torch.long)
+    index = torch.tensor(pages, dtype=torch.long, device=local.tensor.device)
     mine = local.tensor.index_select(2, index).contiguous()
     parts = [torch.empty_like(mine) for _ in range(tp.size)] if tp.rank == 0 else None
     dist.gather(mine, parts, dst=0, group=tp.group)
@@ -350,7 +421,7 @@ def _serve_rank(rank: int, size: int, port: int, parent: int) -> None:
     spec = json.loads(os.environ["PDSERVE_RANK_ARGS"])
     config = EngineConfig(**spec["config"])
     _watch_parent(parent)
-    tp = _init(rank, size, port)
+    tp = _init(rank, size, port, resolve_device(config.device))
     runner = ModelRunner(config, spec["role"], spec["step_tokens"], spec["min_pool_tokens"], tp=tp)
     splits = _head_splits(runner.model_config, size)
     _check_same_pages(tp, runner.pool.tensor.shape[2])
@@ -359,7 +430,12 @@ def _serve_rank(rank: int, size: int, port: int, parent: int) -> None:
         command = _broadcast(tp, (None,))
         if command[0] == "stop":
             return
-        if command[0] == "launch":       # a prefill step
+        if command[0] == "warm_up":
+            runner.warm_up(command[1])
+        elif command[0] == "decode_warm_up":
+            assert steps is not None
+            steps.warm_up()
+        elif command[0] == "launch":       # a prefill step
             _, seqs, rows = command
             runner.launch(seqs, rows).tokens()
             _gather_pages(tp, runner.pool, _written_pages(seqs, runner.pool.page_size), None,

@@ -37,12 +37,14 @@ __all__ = ["ColumnParallelLinear", "HeadSplit", "ParallelLMHead", "Part", "RowPa
 
 @dataclass(frozen=True)
 class TPGroup:
-    """This process's place among the ranks that share each layer, and their process group
-    (None: torch.distributed's default group)."""
+    """This process's place among the ranks that share each layer, and their process groups:
+    ``group`` for the layers' tensors (NCCL on GPUs, gloo on the CPU; None: torch.distributed's
+    default group), ``host_group`` for values on the host (gloo; None: ``group``)."""
 
     rank: int
     size: int
     group: ProcessGroup | None = None
+    host_group: ProcessGroup | None = None
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -54,6 +56,19 @@ class TPGroup:
 
         dist.all_reduce(x, group=self.group)
         return x
+
+    @property
+    def host(self) -> ProcessGroup | None:
+        """The group for values on the host."""
+        return self.host_group if self.host_group is not None else self.group
+
+    def min(self, value: int) -> int:
+        """The least of every rank's ``value``."""
+        import torch.distributed as dist
+
+        box = torch.tensor([value], dtype=torch.long)
+        dist.all_reduce(box, op=dist.ReduceOp.MIN, group=self.host)
+        return int(box)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's ``x`` side by side along the last dim, in rank order."""

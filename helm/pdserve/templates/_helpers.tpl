@@ -105,16 +105,9 @@ app.kubernetes.io/component: {{ .role }}
 {{- end }}
 {{- end -}}
 
-{{/* Flags every worker takes from model: (prefill and decode must agree on them).
-Tensor-parallel ranks run on the CPU for now (the worker's preflight refuses them on a GPU):
-refused here, before any pod starts. */}}
+{{/* Flags every worker takes from model: (prefill and decode must agree on them). */}}
 {{- define "pdserve.engineArgs" -}}
 {{- $m := .root.Values.model -}}
-{{- $values := index .root.Values .role -}}
-{{- $settings := $values.settings | default dict -}}
-{{- if and (gt (int (get $settings "tensor-parallel-size" | default 1)) 1) (gt (int $values.gpus) 0) -}}
-{{- fail (printf "%s.settings.tensor-parallel-size: tensor-parallel ranks run on the CPU for now (%s.gpus: 0)" .role .role) -}}
-{{- end -}}
 {{ include "pdserve.modelArgs" .root }}
 - --dtype={{ $m.dtype }}
 - --page-size={{ $m.pageSize }}
@@ -164,8 +157,10 @@ ports, the first named grpc) and probePort (where grpc.health.v1 answers in plai
 {{- $root := .root -}}
 {{- $values := index $root.Values .role -}}
 {{- $model := $root.Values.model -}}
-{{- if and (hasKey $values "gpus") (gt (int $values.gpus) 1) -}}
-{{- fail (printf "%s.gpus: %v: a %s worker uses one GPU; run more replicas instead" .role $values.gpus .role) -}}
+{{- /* A worker of N tensor-parallel ranks runs them on the N GPUs of its pod. */ -}}
+{{- $ranks := int (get ($values.settings | default dict) "tensor-parallel-size" | default 1) -}}
+{{- if and (hasKey $values "gpus") (gt (int $values.gpus) 0) (ne (int $values.gpus) $ranks) -}}
+{{- fail (printf "%s.gpus: %v: a %s worker takes one GPU per tensor-parallel rank (settings.tensor-parallel-size: %d); run more replicas for more throughput" .role $values.gpus .role $ranks) -}}
 {{- end -}}
 {{- $hfToken := or $root.Values.hfToken.existingSecret $root.Values.hfToken.value -}}
 apiVersion: apps/v1

@@ -1,0 +1,85 @@
+"""Tensor-parallel workers on GPUs (run on a machine with two): NCCL between the ranks, the
+all-reduces inside decode's CUDA graphs. Greedy tokens are the torch backend's single process's
+up to bf16 near-ties, for prefill and decode of the same and of different sizes; every page of
+every rank comes back; a rank that dies ends its worker and the router finishes elsewhere."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import urllib.request
+
+import pytest
+import torch
+from conftest import pages_at_rest, start_cluster, start_roles
+from test_gpu import _assert_greedy_like
+from test_tensor_parallel_serving import _children
+
+from pdserve.config import EngineConfig
+from pdserve.engine.runner import ModelRunner
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
+SMALL = ["--model", "small", "--page-size", "16", "--num-pages", "2048", "--cuda-graph-max-bs",
+         "32", "--torch-threads", "0"]
+
+
+@pytest.fixture(scope="module")
+def reference() -> ModelRunner:
+    return ModelRunner(EngineConfig(model="small", page_size=16, num_pages=1024,
+                                    attention_backend="torch"), "prefill")
+
+
+def _graph_steps(metrics_url: str) -> float:
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    return sum(float(v) for v in re.findall(
+        r'^pdserve_decode_steps_total{[^}]*mode="cuda_graph"[^}]*} (\S+)$', text, re.M))
+
+
+def test_up_with_two_ranks_a_worker_matches_the_torch_backend(reference):
+    """`up --tensor-parallel-size 2`: both roles on cuda:0 and cuda:1, decode replaying its
+    graphs with the all-reduces inside."""
+    cluster = start_cluster([*SMALL, "--tensor-parallel-size", "2"])
+    try:
+        assert cluster.worker_info("decode").attention_backend == "fi"
+        _assert_greedy_like(cluster, reference, (3, 40, 300, 1000), seed=5)
+        assert _graph_steps(cluster.metrics_urls["decode0"]) > 0
+        assert cluster.wait_all_pages_free()
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.parametrize(("prefill_ranks", "decode_ranks"), [(1, 2), (2, 1)])
+def test_prefill_and_decode_of_different_sizes_hand_off_on_gpus(prefill_ranks, decode_ranks,
+                                                                reference):
+    cluster = start_roles(
+        ["prefill", "decode"], router_flags=["--model", "small"],
+        prefill_flags=[*SMALL, "--device", "cuda:0", "--tensor-parallel-size",
+                       str(prefill_ranks)],
+        decode_flags=[*SMALL, "--device", "cuda:0", "--tensor-parallel-size",
+                      str(decode_ranks)])
+    try:
+        _assert_greedy_like(cluster, reference, (5, 64, 700), seed=9)
+        for name, info in cluster.wait_at_rest(["prefill0", "decode0"]).items():
+            assert pages_at_rest(info), (name, info)
+    finally:
+        cluster.stop()
+
+
+def test_a_dead_rank_on_a_gpu_ends_its_worker(reference):
+    """NCCL would wait for a dead peer forever: the worker watches its ranks and exits."""
+    cluster = start_roles(
+        ["prefill", "decode", "decode"], router_flags=["--model", "small"], prefill_flags=[*SMALL, "--device", "cuda:1"],
+        decode_flags=SMALL,
+        worker_flags={"decode0": ["--device", "cuda:0", "--tensor-parallel-size", "2"],
+                      "decode1": ["--device", "cuda:1"]},
+        worker_env={"decode0": {}})
+    try:
+        worker = cluster.processes["decode0"]
+        (rank,) = _children(worker.pid)
+        os.kill(rank, signal.SIGKILL)
+        assert worker.wait(60) == 1
+        assert "a tensor-parallel rank is gone" in cluster.stderr_of("decode0")
+        _assert_greedy_like(cluster, reference, (5, 300), seed=4)
+    finally:
+        cluster.stop()
