@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 import torch
-from conftest import pages_at_rest, start_cluster, start_roles
+from conftest import pages_at_rest, start_cluster, start_roles, stop_cluster
 from test_gpu import _assert_greedy_like
 from test_tensor_parallel_serving import _children
 
@@ -46,7 +46,7 @@ def test_up_with_two_ranks_a_worker_matches_the_torch_backend(reference):
         assert _graph_steps(cluster.metrics_urls["decode0"]) > 0
         assert cluster.wait_all_pages_free()
     finally:
-        cluster.stop()
+        stop_cluster(cluster)
 
 
 @pytest.mark.parametrize(("prefill_ranks", "decode_ranks"), [(1, 2), (2, 1)])
