@@ -64,20 +64,23 @@ class ClusterPlan:
         devices = getattr(self.launcher, f"{role}_devices")
         return devices[index % len(devices)] if devices else self.engine.device
 
-    def _check_rank_gpus(self) -> None:
-        """Workers of several ranks share all their GPUs or none (`up` splits a GPU's memory
-        between the workers on it by their first GPU)."""
-        ranks = self.engine.tensor_parallel_size
-        workers = [(role, index, self.device_of(role, index)) for role, index in self._workers()]
-        for a, (role_a, i, dev_a) in enumerate(workers):
-            for role_b, j, dev_b in workers[a + 1:]:
-                gpus_a, gpus_b = _rank_gpus(dev_a, ranks), _rank_gpus(dev_b, ranks)
-                if set(gpus_a) & set(gpus_b) and gpus_a != gpus_b:
-                    raise ConfigError(
-                        f"--tensor-parallel-size {ranks}: {role_a} worker {i} (cuda:{gpus_a[0]}"
-                        f"..{gpus_a[-1]}) and {role_b} worker {j} (cuda:{gpus_b[0]}.."
-                        f"{gpus_b[-1]}) share part of their GPUs; give them the same first GPU "
-                        "or GPUs apart")
+    def ranks(self, role: str) -> int:
+        """Tensor-parallel ranks of each worker of ``role``."""
+        return getattr(self.launcher, f"{role}_tensor_parallel_size") or \
+            self.engine.tensor_parallel_size
+
+    def _check_ranks(self) -> None:
+        from pdserve.preflight import check_tensor_parallel
+
+        for role in ("prefill", "decode"):
+            ranks = getattr(self.launcher, f"{role}_tensor_parallel_size")
+            if ranks < 0:
+                raise ConfigError(f"--{role}-tensor-parallel-size {ranks}: give a number of "
+                                  "ranks, or 0 (--tensor-parallel-size)")
+        for role, index in self._workers():
+            check_tensor_parallel(dataclasses.replace(
+                self.engine, device=self.device_of(role, index),
+                tensor_parallel_size=self.ranks(role)))
 
     def _workers(self) -> list[tuple[str, int]]:
         return [(role, i) for role in ("prefill", "decode")
@@ -107,7 +110,7 @@ class ClusterPlan:
         check_engine(self.engine)
         for role, index in self._workers():
             check_device(self.device_of(role, index))
-        self._check_rank_gpus()
+        self._check_ranks()
         check_kv_transfer(self.decode)
         check_prefill(self.prefill)
         check_router(self.router)
@@ -160,16 +163,25 @@ class ClusterPlan:
             return 1
         return max(1, min(ROUTERS_PER_GPU * len(gpus), (os.cpu_count() or 1) // CORES_PER_ROUTER))
 
+    def _gpus(self, role: str, index: int) -> set[int]:
+        """The GPUs a worker's ranks run on (none on the CPU)."""
+        return set(_rank_gpus(self.device_of(role, index), self.ranks(role)))
+
     def worker_argv(self, role: str, index: int) -> list[str]:
         config = self.prefill if role == "prefill" else self.decode
-        device = self.device_of(role, index)
-        sharing = [r for r, i in self._workers() if _same_gpu(self.device_of(r, i), device)]
+        mine = self._gpus(role, index)
         utilization = self.engine.gpu_memory_utilization
-        if len(sharing) > 1:   # the GPU's share, split by role: decode holds most of the KV
-            weights = sum(MEMORY_SHARE[r] for r in sharing)
-            utilization = round(utilization * MEMORY_SHARE[role] / weights, 4)
-        engine = dataclasses.replace(self.engine, device=device,
-                                     gpu_memory_utilization=utilization)
+        sharing: set[str] = set()
+        shares = []
+        for gpu in mine:   # each GPU's share, split by role: decode holds most of the KV
+            on_gpu = [r for r, i in self._workers() if gpu in self._gpus(r, i)]
+            sharing.update(on_gpu)
+            shares.append(MEMORY_SHARE[role] / sum(MEMORY_SHARE[r] for r in on_gpu))
+        if shares and min(shares) < 1:
+            utilization = round(utilization * min(shares), 4)
+        engine = dataclasses.replace(self.engine, device=self.device_of(role, index),
+                                     gpu_memory_utilization=utilization,
+                                     tensor_parallel_size=self.ranks(role))
         if role == "decode" and config.yield_to_prefill_ms < 0:
             config = dataclasses.replace(config, yield_to_prefill_ms=(
                 YIELD_TO_PREFILL_MS if "prefill" in sharing else 0.0))
@@ -215,6 +227,3 @@ def _host_has_gpu() -> bool:
     return gpus.is_dir() and any(gpus.iterdir())
 
 
-def _same_gpu(a: str, b: str) -> bool:
-    """Whether devices ``a`` and ``b`` (as flags give them) are one GPU."""
-    return _gpu(a) != "" and _gpu(a) == _gpu(b)

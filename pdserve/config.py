@@ -283,3 +283,7 @@ class LauncherConfig:
                                          "workers, in turn (default: --device)", metavar="DEVS")
     decode_devices: list[str] = setting([], "as --prefill-devices, for the decode workers",
                                         metavar="DEVS")
+    prefill_tensor_parallel_size: int = setting(0, "tensor-parallel ranks of each prefill "
+                                                "worker (0: --tensor-parallel-size)")
+    decode_tensor_parallel_size: int = setting(0, "tensor-parallel ranks of each decode "
+                                               "worker (0: --tensor-parallel-size)")

@@ -109,19 +109,32 @@ def test_up_starts_one_worker_per_listed_device_unless_told_otherwise():
     assert plan.worker_count("prefill") == 1
 
 
-def test_up_refuses_workers_whose_ranks_share_part_of_their_gpus():
-    """A worker of N ranks on cuda:K runs on cuda:K..K+N-1: workers share all of them (and
-    split their memory) or none."""
-    def check(*flags):
-        ClusterPlan.from_args(build_parser().parse_args(
-            ["up", "--tensor-parallel-size", "2", *flags]))._check_rank_gpus()
+def test_up_gives_each_role_its_ranks_and_splits_every_gpu_they_share():
+    """A worker of N ranks on cuda:K runs on cuda:K..K+N-1; each GPU's memory is split between
+    the workers on it by role, and a worker takes its smallest share."""
+    def plan_for(*flags):
+        plan = ClusterPlan.from_args(build_parser().parse_args(["up", *flags]))
+        plan._check_ranks()
+        return plan
 
-    check("--prefill-devices", "cuda:0", "--decode-devices", "cuda:0")
-    check("--prefill-devices", "cuda:0", "--decode-devices", "cuda:2")
-    with pytest.raises(ConfigError, match=r"^--tensor-parallel-size 2: prefill worker 0 "
-                       r"\(cuda:0..1\) and decode worker 0 \(cuda:1..2\) share part of their "
-                       "GPUs; give them the same first GPU or GPUs apart$"):
-        check("--prefill-devices", "cuda:0", "--decode-devices", "cuda:1")
+    def engine(plan, role, index):
+        return role_config(role, build_parser().parse_args(
+            [role, *plan.worker_argv(role, index)])).engine
+
+    plan = plan_for("--decode-tensor-parallel-size", "2", "--prefill-devices", "cuda:0,cuda:1",
+                    "--decode-devices", "cuda:0", "--gpu-memory-utilization", "0.8")
+    assert [engine(plan, "prefill", i).tensor_parallel_size for i in (0, 1)] == [1, 1]
+    assert [engine(plan, "prefill", i).gpu_memory_utilization for i in (0, 1)] == [
+        pytest.approx(0.2)] * 2
+    decode = engine(plan, "decode", 0)
+    assert (decode.tensor_parallel_size, decode.gpu_memory_utilization) == (2, pytest.approx(0.6))
+    plan = plan_for("--tensor-parallel-size", "2", "--prefill-devices", "cuda:0",
+                    "--decode-devices", "cuda:2")
+    assert [engine(plan, r, 0).gpu_memory_utilization for r in ("prefill", "decode")] == [
+        pytest.approx(0.9)] * 2
+    assert engine(plan, "prefill", 0).tensor_parallel_size == 2
+    with pytest.raises(ConfigError, match=r"^--prefill-tensor-parallel-size -1: give a number "):
+        plan_for("--prefill-tensor-parallel-size", "-1")
 
 
 def test_up_resolves_auto_devices_and_router_count_from_the_host(monkeypatch):
@@ -230,7 +243,7 @@ def test_an_automatic_gpu_pool_grows_into_the_headroom_towards_its_minimum(monke
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: weights)
     cfg = model_config("llama3-8b")
     runner = ModelRunner.__new__(ModelRunner)
-    runner.model_config, runner.device = cfg, torch.device("cuda", 0)
+    runner.model_config, runner.device, runner.tp = cfg, torch.device("cuda", 0), None
     runner.layout = KVLayout(model=cfg.name, dtype="bfloat16", page_size=16,
                              num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
                              head_dim=cfg.head_dim)

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from conftest import ENGINE_FLAGS, generate, pages_at_rest, start_roles
+from conftest import ENGINE_FLAGS, generate, pages_at_rest, start_cluster, start_roles, stop_cluster
 
 from pdserve.engine import local
 from pdserve.sampling_params import SamplingParams
@@ -46,6 +46,16 @@ def test_prefill_over_ranks_hands_off_what_one_process_computes(ranks, tiny_runn
         assert len(_children(cluster.processes["prefill0"].pid)) == ranks - 1
     finally:
         cluster.stop()   # fails if a worker holds a page no request accounts for
+
+
+def test_up_gives_decode_its_own_rank_count(tiny_runner):
+    cluster = start_cluster(["--device", "cpu", "--decode-tensor-parallel-size", "2"])
+    try:
+        _assert_single_process_tokens(cluster, tiny_runner, "up")
+        assert len(_children(cluster.pids["decode0"])) == 1
+        assert _children(cluster.pids["prefill0"]) == []
+    finally:
+        stop_cluster(cluster)
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
