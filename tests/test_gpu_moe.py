@@ -112,6 +112,18 @@ def test_fp8_experts_in_the_kernel_match_their_dequantized_reference():
     _assert_fused_matches_reference(runner, list(range(5, 90)))
 
 
+@pytest.mark.parametrize("tokens, experts, top_k", [(2, 8, 2), (129, 128, 8), (1024, 128, 8),
+                                                     (4096, 128, 8), (300, 60, 4)])
+def test_chunked_sort_matches_its_torch_statement(tokens, experts, top_k):
+    from pdserve.models.moe_kernel import block_m_for, sort_chunked
+
+    chosen = _chosen(tokens, experts, top_k, seed=tokens).to(CUDA)
+    want = sort_by_expert(chosen, experts, block_m_for(tokens))
+    got = sort_chunked(chosen.int(), experts, block_m_for(tokens))
+    assert torch.equal(got.sorted_ids, want.sorted_ids)
+    assert torch.equal(got.block_expert, want.block_expert)
+
+
 @pytest.mark.parametrize("tokens, experts, top_k", [(1, 8, 2), (3, 128, 8), (64, 128, 8),
                                                      (128, 128, 8), (9, 60, 4)])
 def test_one_program_sort_and_routing_match_their_torch_statements(tokens, experts, top_k):

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.models.moe_align import SortedAssignments, sort_by_expert
+from pdserve.models.moe_align import SortedAssignments
 
 
 @triton.jit
@@ -93,6 +93,63 @@ def _sort_small(chosen, sorted_ids, block_expert, count, rows,
 
 
 @triton.jit
+def _count_chunk(chosen, counts, count, EXPERTS_P: tl.constexpr, CHUNK: tl.constexpr):
+    """One chunk of assignments: how many chose each expert."""
+    chunk = tl.program_id(0)
+    lane = tl.arange(0, CHUNK)
+    experts = tl.arange(0, EXPERTS_P)
+    ids = tl.load(chosen + chunk * CHUNK + lane, mask=chunk * CHUNK + lane < count,
+                  other=EXPERTS_P)
+    tl.store(counts + chunk * EXPERTS_P + experts,
+             tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0))
+
+
+@triton.jit
+def _chunk_offsets(counts, offsets, sorted_ids, block_expert, count, rows, chunks,
+                   EXPERTS: tl.constexpr, EXPERTS_P: tl.constexpr, BLOCK_M: tl.constexpr,
+                   LANES: tl.constexpr):
+    """Each chunk's first row for each expert (the expert's padded start plus the earlier
+    chunks' assignments to it), the block experts, and the padding rows."""
+    experts = tl.arange(0, EXPERTS_P)
+    totals = tl.zeros([EXPERTS_P], tl.int32)
+    for chunk in range(0, chunks):
+        totals += tl.load(counts + chunk * EXPERTS_P + experts)
+    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    running = padded_end - padded
+    for chunk in range(0, chunks):
+        tl.store(offsets + chunk * EXPERTS_P + experts, running)
+        running += tl.load(counts + chunk * EXPERTS_P + experts)
+    lane = tl.arange(0, LANES)
+    for first in range(0, rows // BLOCK_M, LANES):
+        blocks = first + lane
+        owner = tl.sum((padded_end[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32),
+                       axis=1)
+        tl.store(block_expert + blocks, tl.where(owner < EXPERTS, owner, -1),
+                 mask=blocks * BLOCK_M < rows)
+    for start in range(0, rows, LANES):
+        tl.store(sorted_ids + start + lane, count, mask=start + lane < rows)
+
+
+@triton.jit
+def _place_chunk(chosen, offsets, sorted_ids, count, EXPERTS_P: tl.constexpr,
+                 CHUNK: tl.constexpr):
+    """One chunk's assignments into their rows: the chunk's first row for the expert plus the
+    assignment's rank among the chunk's earlier ones to it."""
+    chunk = tl.program_id(0)
+    lane = tl.arange(0, CHUNK)
+    experts = tl.arange(0, EXPERTS_P)
+    valid = chunk * CHUNK + lane < count
+    ids = tl.load(chosen + chunk * CHUNK + lane, mask=valid, other=EXPERTS_P)
+    first = tl.load(offsets + chunk * EXPERTS_P + experts)
+    mine = ids[:, None] == experts[None, :]
+    earlier = (ids[:, None] == ids[None, :]) & (lane[None, :] < lane[:, None])
+    row = (tl.sum(tl.where(mine, first[None, :], 0), axis=1)
+           + tl.sum(earlier.to(tl.int32), axis=1))
+    tl.store(sorted_ids + row, (chunk * CHUNK + lane).to(tl.int32), mask=valid)
+
+
+@triton.jit
 def _route(logits, weights, chosen, stride, EXPERTS: tl.constexpr, EXPERTS_P: tl.constexpr,
            TOP_K: tl.constexpr, TOP_K_P: tl.constexpr, RENORMALIZE: tl.constexpr):
     """One token: softmax over its router logits (float32), its top-k (the lowest index among
@@ -133,7 +190,7 @@ def route_top_k(logits: torch.Tensor, top_k: int,
 
 
 # Assignments up to this many are sorted by one Triton program (decode batches: one launch
-# where the PyTorch statement takes about 25); more by sort_by_expert's PyTorch operations.
+# where the PyTorch statement takes about 25); more by sort_chunked's three.
 SMALL_SORT_MAX = 1024
 
 
@@ -148,6 +205,31 @@ def sort_small(chosen: torch.Tensor, num_experts: int, block_m: int) -> SortedAs
     _sort_small[(1,)](flat, sorted_ids, block_expert, count, rows, EXPERTS=num_experts,
                       EXPERTS_P=triton.next_power_of_2(num_experts + 1), BLOCK_M=block_m,
                       CHUNK=64, num_warps=8)
+    return SortedAssignments(sorted_ids, block_expert, count, block_m)
+
+
+# Assignments per program of the chunked sort (prompts: three launches for any count).
+SORT_CHUNK = 64
+
+
+def sort_chunked(chosen: torch.Tensor, num_experts: int, block_m: int) -> SortedAssignments:
+    """sort_by_expert's result (the same rows and blocks) in three launches for any number of
+    assignments: each chunk's counts per expert, every chunk's first rows (with the block
+    experts and the padding), then each chunk's assignments into their rows."""
+    flat = chosen.reshape(-1).contiguous()
+    count = flat.numel()
+    rows = -(-(count + num_experts * (block_m - 1)) // block_m) * block_m
+    chunks = triton.cdiv(count, SORT_CHUNK)
+    experts_p = triton.next_power_of_2(num_experts + 1)
+    counts = torch.empty(chunks, experts_p, dtype=torch.int32, device=flat.device)
+    offsets = torch.empty_like(counts)
+    sorted_ids = torch.empty(rows, dtype=torch.int32, device=flat.device)
+    block_expert = torch.empty(rows // block_m, dtype=torch.int32, device=flat.device)
+    _count_chunk[(chunks,)](flat, counts, count, EXPERTS_P=experts_p, CHUNK=SORT_CHUNK)
+    _chunk_offsets[(1,)](counts, offsets, sorted_ids, block_expert, count, rows, chunks,
+                         EXPERTS=num_experts, EXPERTS_P=experts_p, BLOCK_M=block_m, LANES=64)
+    _place_chunk[(chunks,)](flat, offsets, sorted_ids, count, EXPERTS_P=experts_p,
+                            CHUNK=SORT_CHUNK)
     return SortedAssignments(sorted_ids, block_expert, count, block_m)
 
 
@@ -187,7 +269,7 @@ def fused_experts(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Tens
     """Sum over each token's chosen experts of weight times expert output: ``experts`` a
     moe.Experts (16-bit or FP8), ``weights``/``chosen`` [tokens, k]."""
     tokens, top_k = chosen.shape
-    sort = sort_small if tokens * top_k <= SMALL_SORT_MAX else sort_by_expert
+    sort = sort_small if tokens * top_k <= SMALL_SORT_MAX else sort_chunked
     groups = sort(chosen, experts.gate_up_proj.shape[0], block_m_for(tokens))
 
     def gemm(a: torch.Tensor, name: str, rows_per_a: int,
