@@ -112,28 +112,28 @@ def test_fp8_experts_in_the_kernel_match_their_dequantized_reference():
     _assert_fused_matches_reference(runner, list(range(5, 90)))
 
 
-@pytest.mark.parametrize("tokens, experts, top_k", [(2, 8, 2), (129, 128, 8), (1024, 128, 8),
-                                                     (4096, 128, 8), (300, 60, 4)])
-def test_chunked_sort_matches_its_torch_statement(tokens, experts, top_k):
-    from pdserve.models.moe_kernel import block_m_for, sort_chunked
+@pytest.mark.parametrize("tokens, experts, top_k", [(1, 8, 2), (3, 128, 8), (64, 128, 8),
+                                                     (128, 128, 8), (9, 60, 4), (129, 128, 8),
+                                                     (1024, 128, 8), (4096, 128, 8),
+                                                     (300, 60, 4)])
+def test_sorts_match_their_torch_statement(tokens, experts, top_k):
+    """The chunked sort at any size, the one-program sort where it is used."""
+    from pdserve.models.moe_kernel import SMALL_SORT_MAX, block_m_for, sort_chunked, sort_small
 
     chosen = _chosen(tokens, experts, top_k, seed=tokens).to(CUDA)
     want = sort_by_expert(chosen, experts, block_m_for(tokens))
-    got = sort_chunked(chosen.int(), experts, block_m_for(tokens))
-    assert torch.equal(got.sorted_ids, want.sorted_ids)
-    assert torch.equal(got.block_expert, want.block_expert)
+    sorts = [sort_chunked] + ([sort_small] if tokens * top_k <= SMALL_SORT_MAX else [])
+    for sort in sorts:
+        got = sort(chosen.int(), experts, block_m_for(tokens))
+        assert torch.equal(got.sorted_ids, want.sorted_ids), sort.__name__
+        assert torch.equal(got.block_expert, want.block_expert), sort.__name__
 
 
 @pytest.mark.parametrize("tokens, experts, top_k", [(1, 8, 2), (3, 128, 8), (64, 128, 8),
                                                      (128, 128, 8), (9, 60, 4)])
-def test_one_program_sort_and_routing_match_their_torch_statements(tokens, experts, top_k):
-    from pdserve.models.moe_kernel import block_m_for, route_top_k, sort_small
+def test_one_launch_routing_matches_its_torch_statement(tokens, experts, top_k):
+    from pdserve.models.moe_kernel import route_top_k
 
-    chosen = _chosen(tokens, experts, top_k, seed=tokens).to(CUDA)
-    want = sort_by_expert(chosen, experts, block_m_for(tokens))
-    got = sort_small(chosen.int(), experts, block_m_for(tokens))
-    assert torch.equal(got.sorted_ids, want.sorted_ids)
-    assert torch.equal(got.block_expert, want.block_expert)
     logits = torch.randn(tokens, experts, device=CUDA).bfloat16()
     weights, picked = route_top_k(logits, top_k, renormalize=True)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
