@@ -53,7 +53,10 @@ MOE_FOLDERS = {
     "qwen3-moe-stacked": ("Qwen3Moe", dict(MOE_COMMON, num_experts=4, moe_intermediate_size=32,
                                             head_dim=16)),
 }
-SHAPES = ["tiny", "tiny-moe", *FOLDERS, *MOE_FOLDERS]
+# --quantization fp8 at load: each rank quantizes its slices, a row-parallel slice with the whole
+# row's scale, so the FP8 weights are one process's.
+FP8 = {"tiny-fp8": "tiny+fp8", "tiny-moe-fp8": "tiny-moe+fp8"}
+SHAPES = ["tiny", "tiny-moe", *FP8, *FOLDERS, *MOE_FOLDERS]
 
 
 def write_checkpoint(folder: Path, cfg: dict) -> None:
@@ -121,9 +124,10 @@ def write_moe_checkpoint(folder: Path, name: str) -> None:
 def run_script(model: str, tp: TPGroup | None) -> dict[str, torch.Tensor]:
     """Two prompts prefilled in one step, the second chunked (its prefix first, through the
     paged pool), then NEW_TOKENS greedy tokens for both, decoded as one batch."""
+    model, _, quantization = model.partition("+")
     runner = ModelRunner(EngineConfig(model=model, device="cpu", page_size=4, num_pages=64,
-                                      attention_backend="torch", torch_threads=1),
-                         "prefill", tp=tp)
+                                      attention_backend="torch", torch_threads=1,
+                                      quantization=quantization), "prefill", tp=tp)
     vocab = runner.model_config.vocab_size
     prompts = torch.randint(0, vocab, (2, PROMPT_LEN),
                             generator=torch.Generator().manual_seed(1)).tolist()
@@ -166,7 +170,7 @@ def _free_port() -> int:
 def results(tmp_path_factory) -> tuple[dict, list[dict]]:
     """(one process's results, each rank's) for every shape."""
     root = tmp_path_factory.mktemp("tp")
-    models = {"tiny": "tiny", "tiny-moe": "tiny-moe"}
+    models = {"tiny": "tiny", "tiny-moe": "tiny-moe", **FP8}
     for shape, cfg in FOLDERS.items():
         write_checkpoint(root / shape, cfg)
         models[shape] = str(root / shape)
@@ -219,9 +223,15 @@ def test_kv_heads_that_do_not_split_over_the_ranks_are_refused():
         CausalLM(replace(tiny, num_heads=12, num_kv_heads=3), TPGroup(0, 4))
 
 
-def test_fp8_weights_are_refused():
-    with pytest.raises(ConfigError, match="tensor parallelism does not support FP8 weights"):
-        load_model("tiny", "float32", torch.device("cpu"), quantization="fp8", tp=TPGroup(0, 2))
+def test_fp8_checkpoints_are_refused(tmp_path):
+    folder = tmp_path / "fp8"
+    write_checkpoint(folder, FOLDERS["qwen3-1-kv-head"])
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="tensor parallelism does not load FP8 checkpoints "
+                       "yet"):
+        load_model(str(folder), "float32", torch.device("cpu"), tp=TPGroup(0, 2))
 
 
 def test_experts_that_do_not_split_over_the_ranks_are_refused():

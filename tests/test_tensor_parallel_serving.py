@@ -48,6 +48,24 @@ def test_prefill_over_ranks_hands_off_what_one_process_computes(ranks, tiny_runn
         cluster.stop()   # fails if a worker holds a page no request accounts for
 
 
+def test_fp8_weights_quantized_at_load_hand_off_across_rank_counts():
+    """--quantization fp8, prefill of one rank and decode of two: the tokens of one process
+    with the same FP8 weights."""
+    from pdserve.config import EngineConfig
+    from pdserve.engine.runner import ModelRunner
+
+    fp8 = ["--quantization", "fp8"]
+    cluster = start_roles(["prefill", "decode"], prefill_flags=fp8,
+                          decode_flags=[*fp8, "--tensor-parallel-size", "2"])
+    reference = ModelRunner(EngineConfig(model="tiny", device="cpu", page_size=4,
+                                         num_pages=1024, quantization="fp8", torch_threads=1),
+                            "prefill")
+    try:
+        _assert_single_process_tokens(cluster, reference, "fp8")
+    finally:
+        cluster.stop()
+
+
 def test_up_gives_decode_its_own_rank_count(tiny_runner):
     cluster = start_cluster(["--device", "cpu", "--decode-tensor-parallel-size", "2"])
     try:

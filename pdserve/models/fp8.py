@@ -19,6 +19,7 @@ from torch import nn
 
 from pdserve.models import fp8_gemm
 from pdserve.models.quant_config import Fp8Scheme
+from pdserve.parallel.tensor import ColumnParallelLinear, RowParallelLinear, TPGroup, is_parallel
 
 log = logging.getLogger(__name__)
 
@@ -99,17 +100,40 @@ class Fp8Linear(nn.Module):
             self.kernel_scales = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x, self.bias)
+
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x W^T (+ bias)`` with this rank's weight alone."""
         if self.kernel == "rowwise":
-            return fp8_gemm.rowwise_mm(x, self.weight, self.kernel_scales, self.bias)
+            return fp8_gemm.rowwise_mm(x, self.weight, self.kernel_scales, bias)
         if self.kernel == "blockwise":
-            return fp8_gemm.blockwise_mm(x, self.weight, self.kernel_scales, self.bias)
+            return fp8_gemm.blockwise_mm(x, self.weight, self.kernel_scales, bias)
         # Dequantized on every forward, not cached: the layer holds only FP8 bytes (what the
         # FP8 path is for), and the CPU path this serves is for tests and small models.
-        return F.linear(x, self.dequantized(x.dtype), self.bias)
+        return F.linear(x, self.dequantized(x.dtype), bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"block_cols={self.block_cols}, kernel={self.kernel or 'dequantized'}")
+
+
+class Fp8RowParallelLinear(Fp8Linear):
+    """A row-parallel layer's FP8 slice of input columns: its partial products summed across
+    the ranks (all-reduce), then the bias, once."""
+
+    def __init__(self, layer: RowParallelLinear) -> None:
+        super().__init__(layer.input.rows, layer.out_features, layer.bias is not None, None,
+                         layer.weight.dtype)
+        self.tp = layer.tp
+        self.full_in_features = layer.input.size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(self.product(x))
+        return y if self.bias is None else y + self.bias
+
+
+# The layers --quantization fp8 and checkpoints' quantization configs may hold as FP8.
+LINEARS = (nn.Linear, Fp8Linear, ColumnParallelLinear, RowParallelLinear)
 
 
 def hf_names(name: str) -> list[str]:
@@ -130,7 +154,7 @@ def _quantized_linears(net: nn.Module, scheme: Fp8Scheme) -> list[str]:
     disagree."""
     names = []
     for name, module in net.named_modules():
-        if not isinstance(module, (nn.Linear, Fp8Linear)):
+        if not isinstance(module, LINEARS):
             continue
         wanted = {scheme.quantizes(hf) for hf in hf_names(name)}
         if len(wanted) > 1:
@@ -152,10 +176,15 @@ def use_fp8_linears(net: nn.Module, scheme: Fp8Scheme, dtype: torch.dtype) -> No
 
 
 @torch.no_grad()
-def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_channel(weight: torch.Tensor, tp: TPGroup | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight`` [out, in] as FP8 e4m3 and float32 scales [out, 1]: each row's largest
-    magnitude maps to the format's largest value."""
+    magnitude maps to the format's largest value. With ``tp``, ``weight`` is this rank's
+    slice of columns and a row's largest magnitude is over every rank's (the whole row's
+    scale, as one process quantizes it)."""
     amax = weight.float().abs().amax(dim=1, keepdim=True)
+    if is_parallel(tp):
+        amax = tp.all_reduce(amax, largest=True)
     scale = (amax / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
     return (weight.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
@@ -168,9 +197,14 @@ def quantize_linears(net: nn.Module, scheme: Fp8Scheme) -> int:
     names = _quantized_linears(net, scheme)
     for name in names:
         linear = net.get_submodule(name)
-        fp8 = Fp8Linear(linear.in_features, linear.out_features, linear.bias is not None, None,
-                        linear.weight.dtype).to(linear.weight.device)
-        fp8.weight.data, fp8.weight_scale.data = quantize_per_channel(linear.weight)
+        if isinstance(linear, RowParallelLinear):   # a slice of columns: whole rows' scales
+            fp8 = Fp8RowParallelLinear(linear).to(linear.weight.device)
+            fp8.weight.data, fp8.weight_scale.data = quantize_per_channel(linear.weight,
+                                                                          linear.tp)
+        else:   # whole rows (a column-parallel layer holds some of them)
+            fp8 = Fp8Linear(linear.in_features, linear.out_features, linear.bias is not None,
+                            None, linear.weight.dtype).to(linear.weight.device)
+            fp8.weight.data, fp8.weight_scale.data = quantize_per_channel(linear.weight)
         if linear.bias is not None:
             fp8.bias.data = linear.bias.data
         net.set_submodule(name, fp8)
@@ -224,7 +258,10 @@ def dequantize_linear(net: nn.Module, name: str, dtype: torch.dtype) -> None:
     weight (the values are the FP8 model's, the bytes 16-bit)."""
     fp8 = net.get_submodule(name)
     with torch.device("meta"):
-        linear = nn.Linear(fp8.in_features, fp8.out_features, bias=fp8.bias is not None)
+        linear = (RowParallelLinear(fp8.full_in_features, fp8.out_features, fp8.bias is not None,
+                                    fp8.tp, "the layer's input features")
+                  if isinstance(fp8, Fp8RowParallelLinear) else
+                  nn.Linear(fp8.in_features, fp8.out_features, bias=fp8.bias is not None))
     linear.weight = nn.Parameter(fp8.dequantized(dtype), requires_grad=False)
     if fp8.bias is not None:
         linear.bias = nn.Parameter(fp8.bias.data.to(dtype), requires_grad=False)
@@ -271,9 +308,11 @@ def use_fp8_experts(net: nn.Module, scheme: Fp8Scheme) -> int:
 
 
 @torch.no_grad()
-def quantize_experts(net: nn.Module) -> int:
+def quantize_experts(net: nn.Module, tp: TPGroup | None = None) -> int:
     """--quantization fp8 of a mixture-of-experts model: each expert's 16-bit weights as FP8
-    with a scale per output row, one layer at a time; returns how many layers were."""
+    with a scale per output row, one layer at a time; returns how many layers were. Over
+    ``tp``'s ranks each holds a slice of the down projections' columns: its rows' scales are
+    the whole rows'."""
     count = 0
     for module in net.modules():
         if not hasattr(module, "use_fp8") or module.gate_up_proj.dtype == FP8_DTYPE:
@@ -281,7 +320,8 @@ def quantize_experts(net: nn.Module) -> int:
         dense = {name: getattr(module, name).data for name in module.WEIGHTS}
         module.use_fp8(None)
         for name, weight in dense.items():
-            quantized, scale = quantize_per_channel(weight.flatten(0, 1))
+            quantized, scale = quantize_per_channel(weight.flatten(0, 1),
+                                                    tp if name == "down_proj" else None)
             getattr(module, name).data.copy_(quantized.view_as(weight))
             getattr(module, name + "_scale").data.copy_(scale.view(*weight.shape[:2], 1))
         count += 1
@@ -290,7 +330,7 @@ def quantize_experts(net: nn.Module) -> int:
 
 def describe(net: nn.Module) -> str:
     """'N of M linear layers in FP8' (and the experts') for the load log."""
-    linears = [m for m in net.modules() if isinstance(m, (nn.Linear, Fp8Linear))]
+    linears = [m for m in net.modules() if isinstance(m, LINEARS)]
     fp8 = sum(isinstance(m, Fp8Linear) for m in linears)
     experts = [m for m in net.modules() if hasattr(m, "use_fp8")]
     fp8_experts = sum(m.gate_up_proj.dtype == FP8_DTYPE for m in experts)

@@ -58,10 +58,10 @@ def load_model(model: str, dtype: str, device: torch.device, seed: int = 0,
     except ValueError as err:   # an unsupported architecture or quantization: one line
         raise ConfigError(f"--model {model}: {err}") from err
     scheme = config.weight_quant
-    if is_parallel(tp) and (scheme is not None or quantization == "fp8"):
-        # Fp8Linear (with its block scales) is not sharded yet.
-        raise ConfigError(f"--model {model}: tensor parallelism does not support FP8 weights "
-                          "yet")
+    if is_parallel(tp) and scheme is not None:
+        # A checkpoint's Fp8Linear (with its block scales) is not sharded yet.
+        raise ConfigError(f"--model {model}: tensor parallelism does not load FP8 checkpoints "
+                          "yet (--quantization fp8 of a 16-bit checkpoint runs with it)")
     torch_dtype = resolve_dtype(dtype, config)
     with torch.device("meta"):
         net = CausalLM(config, tp)
@@ -81,7 +81,7 @@ def load_model(model: str, dtype: str, device: torch.device, seed: int = 0,
         _init_random(net, seed)
     if quantization == "fp8" and scheme is None:
         fp8.quantize_linears(net, AT_LOAD)
-        fp8.quantize_experts(net)
+        fp8.quantize_experts(net, tp)
         if device.type == "cuda":   # the 16-bit weights' blocks back to the GPU (KV sizing)
             torch.cuda.empty_cache()
     if scheme is not None or quantization == "fp8":

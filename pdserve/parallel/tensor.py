@@ -50,11 +50,12 @@ class TPGroup:
         if self.size < 1 or not 0 <= self.rank < self.size:
             raise ValueError(f"tensor-parallel rank {self.rank} of {self.size} ranks")
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of every rank's ``x`` (in place)."""
+    def all_reduce(self, x: torch.Tensor, largest: bool = False) -> torch.Tensor:
+        """The sum of every rank's ``x`` (in place); with ``largest``, the elementwise max."""
         import torch.distributed as dist
 
-        dist.all_reduce(x, group=self.group)
+        dist.all_reduce(x, op=dist.ReduceOp.MAX if largest else dist.ReduceOp.SUM,
+                        group=self.group)
         return x
 
     @property
