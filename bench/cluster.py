@@ -19,7 +19,7 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import start_up, write_results  # noqa: E402
+from common import start_up, up_args_joined, write_results  # noqa: E402
 
 from protos.pdserve.v1 import generate_pb2, generate_pb2_grpc  # noqa: E402
 
@@ -53,7 +53,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="requests per client")
     parser.add_argument("--up-args", default="--kv-cache-gb 8", help="more flags for pdserve up")
     parser.add_argument("--out", default="bench/results/cluster.json")
-    args = parser.parse_args()
+    args = parser.parse_args(up_args_joined())
     process, router, _ = start_up(["--model", args.model, *args.up_args.split()])
     try:
         stub = generate_pb2_grpc.GenerationServiceStub(grpc.insecure_channel(router))

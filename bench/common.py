@@ -53,6 +53,18 @@ def write_results(path: str, name: str, results: dict[str, Any]) -> None:
     print(f"wrote {path}")
 
 
+def up_args_joined(argv: list[str] | None = None) -> list[str]:
+    """The command line (``sys.argv[1:]`` for None) with ``--up-args VALUE`` as
+    ``--up-args=VALUE``: argparse reads a lone value that starts with a dash, such as
+    ``--up-args --prefill-on-decode``, as a flag of its own."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    joined: list[str] = []
+    while args:
+        arg = args.pop(0)
+        joined.append(f"--up-args={args.pop(0)}" if arg == "--up-args" and args else arg)
+    return joined
+
+
 def free_port() -> int:
     """A free port for `pdserve up`, picked as `up` picks its children's."""
     from pdserve.launcher import PortPicker

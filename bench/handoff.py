@@ -28,7 +28,7 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import start_up, write_results  # noqa: E402
+from common import start_up, up_args_joined, write_results  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from protos.pdserve.v1 import generate_pb2, generate_pb2_grpc  # noqa: E402
@@ -105,7 +105,7 @@ def main() -> None:
     parser.add_argument("--up-args", default="--kv-cache-gb 8 --chunk-size 8192",
                         help="more flags for pdserve up")
     parser.add_argument("--out", default="bench/results/handoff.json")
-    args = parser.parse_args()
+    args = parser.parse_args(up_args_joined())
     rows = []
     for engine in args.engines.split(","):
         for layerwise in ((True, False) if engine in ("cuda_ipc", "nixl") else (False,)):

@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import start_up, write_results  # noqa: E402
+from common import start_up, up_args_joined, write_results  # noqa: E402
 
 PREFILL_COUNTS = {"pdserve_prefill_computed_tokens_total": "computed_tokens",
                   "pdserve_prefix_cache_hit_tokens_total": "cached_tokens",
@@ -164,7 +164,7 @@ def main() -> None:
                         "the prefill workers' metrics")
     parser.add_argument("--label", default="", help="name of this configuration in the JSON")
     parser.add_argument("--out", default="bench/results/prefix_cache.json")
-    args = parser.parse_args()
+    args = parser.parse_args(up_args_joined())
 
     process = None
     router = args.router

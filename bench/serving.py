@@ -807,7 +807,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     target.add_argument("--endpoint", default="completions", choices=("completions", "chat"),
                         help="the HTTP endpoint (chat: text prompts)")
     target.add_argument("--model", default="tiny", help="model folder or preset for `up`")
-    target.add_argument("--up-args", default="", help="more flags for pdserve up")
+    target.add_argument("--up-args", default="", help="more flags for pdserve up (one flag "
+                        "alone: --up-args=--prefill-on-decode)")
     target.add_argument("--model-name", default="", help="the `model` of HTTP bodies (default: "
                         "the first of the server's /v1/models)")
     target.add_argument("--api-key", default="", help="sent as a bearer token over HTTP")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import free_port, write_results  # noqa: E402
+from common import free_port, up_args_joined, write_results  # noqa: E402
 
 
 class Lines:
@@ -116,7 +116,7 @@ def main() -> None:
     parser.add_argument("--log", default="",
                         help="write each run's output, every line with its time, to LOG.<run>")
     parser.add_argument("--out", default="bench-startup.json")
-    args = parser.parse_args()
+    args = parser.parse_args(up_args_joined())
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     runs = []

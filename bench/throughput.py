@@ -47,7 +47,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import start_up, write_results  # noqa: E402
+from common import start_up, up_args_joined, write_results  # noqa: E402
 
 
 def workload(num_seqs: int, max_input: int, max_output: int,
@@ -390,7 +390,7 @@ def main() -> None:
                              "runs estimate N GPUs of both roles each; the estimate is no "
                              "measurement of them)")
     parser.add_argument("--out", default="bench/results/throughput.json")
-    args = parser.parse_args()
+    args = parser.parse_args(up_args_joined())
     shard = None
     if args.shard:
         try:

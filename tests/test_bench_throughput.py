@@ -40,6 +40,19 @@ def test_a_shard_of_the_workload_through_pdserve_up(tmp_path):
     assert row["stream"] and 3.8 <= row["tokens_per_message"] <= 100 / 2
 
 
+def test_up_args_may_be_one_flag_alone():
+    """``--up-args --prefill-on-decode``: argparse alone reads the value as a flag."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_common", ROOT / "bench" / "common.py")
+    common = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(common)
+    assert common.up_args_joined(["--up-args", "--prefill-on-decode", "--model", "m"]) == [
+        "--up-args=--prefill-on-decode", "--model", "m"]
+    assert common.up_args_joined(["--up-args=--kv-cache-gb 8", "--up-args"]) == [
+        "--up-args=--kv-cache-gb 8", "--up-args"]
+
+
 def test_wrong_flags_are_one_line(tmp_path):
     other_shares = tmp_path / "peer.json"
     other_shares.write_text(json.dumps({"runs": [{"run": "0/2", "throughput_tok_s": 1.0},
