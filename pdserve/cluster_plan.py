@@ -165,7 +165,7 @@ class ClusterPlan:
 
     def _gpus(self, role: str, index: int) -> set[int]:
         """The GPUs a worker's ranks run on (none on the CPU)."""
-        return set(_rank_gpus(self.device_of(role, index), self.ranks(role)))
+        return set(rank_gpus(self.device_of(role, index), self.ranks(role)))
 
     def worker_argv(self, role: str, index: int) -> list[str]:
         config = self.prefill if role == "prefill" else self.decode
@@ -196,8 +196,9 @@ class ClusterPlan:
             "--http-port", str(http_port)]
 
 
-def _rank_gpus(device: str, ranks: int) -> list[int]:
-    """The GPU indices a worker on ``device`` with ``ranks`` tensor-parallel ranks runs on."""
+def rank_gpus(device: str, ranks: int) -> list[int]:
+    """The GPU indices a worker on ``device`` (as flags give it) with ``ranks`` tensor-parallel
+    ranks runs on: rank r of a worker on cuda:K on cuda:K+r; none on the CPU."""
     gpu = _gpu(device)
     if not gpu:
         return []

@@ -63,13 +63,14 @@ def check_tensor_parallel(config: EngineConfig) -> None:
         return
     import torch
 
+    from pdserve.cluster_plan import rank_gpus
+
     if not torch.cuda.is_available():
         return   # auto: the CPU; cuda: refused with the device
-    first = int(config.device.partition(":")[2] or 0) if config.device.startswith("cuda") else 0
-    count = torch.cuda.device_count()
-    if first + size > count:
-        raise ConfigError(f"--tensor-parallel-size {size}: its ranks run on cuda:{first} .. "
-                          f"cuda:{first + size - 1}, but this machine has {count} GPU"
+    gpus, count = rank_gpus(config.device, size), torch.cuda.device_count()
+    if gpus and gpus[-1] >= count:
+        raise ConfigError(f"--tensor-parallel-size {size}: its ranks run on cuda:{gpus[0]} .. "
+                          f"cuda:{gpus[-1]}, but this machine has {count} GPU"
                           f"{'s' if count != 1 else ''}")
 
 

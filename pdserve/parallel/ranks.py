@@ -40,6 +40,7 @@ from datetime import timedelta
 
 import torch
 
+from pdserve.cluster_plan import rank_gpus
 from pdserve.config import EngineConfig
 from pdserve.engine.batch import SeqInput
 from pdserve.engine.decode_steps import DecodeSteps, StepPlan
@@ -90,11 +91,11 @@ def _init(rank: int, size: int, port: int, device: torch.device) -> TPGroup:
 
 
 def rank_devices(config: EngineConfig) -> list[str]:
-    """Each rank's device: on GPUs rank r of a worker on cuda:N runs on cuda:N+r."""
+    """Each rank's device (cluster_plan.rank_gpus on GPUs)."""
     device = resolve_device(config.device)
     if device.type != "cuda":
         return [str(device)] * config.tensor_parallel_size
-    return [f"cuda:{device.index + rank}" for rank in range(config.tensor_parallel_size)]
+    return [f"cuda:{gpu}" for gpu in rank_gpus(str(device), config.tensor_parallel_size)]
 
 
 def _runner_args(config: EngineConfig, role: str, step_tokens: int, min_pool_tokens: int
