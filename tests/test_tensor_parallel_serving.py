@@ -89,9 +89,10 @@ def test_a_dead_rank_stops_its_worker_and_the_router_finishes_elsewhere(role, ti
         os.kill(rank, signal.SIGKILL)
         _assert_single_process_tokens(cluster, tiny_runner, "rank lost")
         assert worker.wait(60) == 1
+        # Its loop's next collective fails (RankLost), or its watch of the ranks sees first.
         last = cluster.stderr_of(name).strip().splitlines()[-1]
-        assert last.startswith(f"pdserve: error: {role}: its engine loop ended (RankLost: a "
-                               "tensor-parallel rank is gone")
+        assert last.startswith(f"pdserve: error: {role}: ")
+        assert "a tensor-parallel rank is gone" in last
     finally:
         cluster.stop()
 

@@ -19,9 +19,9 @@ gathers and scatters) run over NCCL, captured inside decode's CUDA graphs, and t
 over gloo. On the CPU both run over gloo.
 
 A rank that dies takes the worker down: rank 0's next collective fails and its loop ends (the
-worker exits, as on any engine loop failure), and the other ranks exit when rank 0 is gone. On
-GPUs a collective waits for a dead peer instead of failing, so rank 0 also watches its ranks'
-processes and exits the moment one ends.
+worker exits, as on any engine loop failure), and the other ranks exit when rank 0 is gone. A
+collective may instead wait for the dead peer (NCCL always does), so rank 0 also watches its
+ranks' processes and exits the moment one ends.
 """
 from __future__ import annotations
 
@@ -135,9 +135,11 @@ class RankedRunner:
                 dataclasses.replace(config, device=devices[rank]), role, step_tokens,
                 min_pool_tokens)})
             for rank in range(1, size)]
+        self.role = role
         self._stopping = threading.Event()
-        if devices[0].startswith("cuda"):
-            threading.Thread(target=self._watch_ranks, name="rank-watch", daemon=True).start()
+        watch = threading.Thread(target=self._watch_ranks, name="rank-watch", daemon=True)
+        if devices[0].startswith("cuda"):   # NCCL waits for a dead peer even while starting
+            watch.start()
         self.tp = self._join(size, port, torch.device(devices[0]))
         try:   # its first collectives wait for the other ranks' models
             self.local = ModelRunner(dataclasses.replace(config, device=devices[0]), role,
@@ -161,6 +163,8 @@ class RankedRunner:
         except RuntimeError as err:
             raise self._start_failed(err) from err
         self._lock = threading.Lock()
+        if not watch.is_alive():   # on the CPU: once started (_start_failed names a rank before)
+            watch.start()
 
     def _start_failed(self, err: RuntimeError) -> ConfigError:
         for _ in range(50):   # the rank that broke the collective is exiting: name it
@@ -171,11 +175,12 @@ class RankedRunner:
                            f"start ({self._rank_exits() or err})")
 
     def _watch_ranks(self) -> None:
-        """Ends this worker the moment a rank ends (NCCL waits for a dead peer forever)."""
+        """Ends this worker the moment a rank ends, whatever its loop is doing: NCCL waits for
+        a dead peer forever, and gloo may too."""
         while not self._stopping.wait(WATCH_POLL_S):
             if self.dead_rank() is not None and not self._stopping.is_set():
-                log.error("a tensor-parallel rank is gone (%s): the worker stops",
-                          self._rank_exits())
+                print(f"pdserve: error: {self.role}: a tensor-parallel rank is gone "
+                      f"({self._rank_exits()}); the worker stops", file=sys.stderr, flush=True)
                 logging.shutdown()
                 os._exit(1)
 
