@@ -89,6 +89,10 @@ class EngineConfig(ModelSource):
                               "(their linear layers): cublaslt (its heuristics split the long-K "
                               "down projection better at decode batches) or cublas",
                               choices=("cublaslt", "cublas"))
+    step_buckets: bool = setting(True, "on CUDA, pad each prompt step to one of a fixed set "
+                                 "of token counts (16 per doubling: a sixteenth more tokens at most), "
+                                 "each run once before serving, so that no served step waits "
+                                 "for cuBLAS to choose and load kernels for a new shape")
     triton_gemv: bool = setting(True, "inside CUDA graphs, batch-1 linear layers as a Triton "
                                 "GEMV (else cuBLAS)")
     overlap_scheduling: bool = setting(True, "prepare and launch step n+1 while step n runs on "

@@ -69,3 +69,52 @@ def test_host_lengths_give_flashinfer_plan_what_a_tensor_gives():
     assert [int(x) for x in host] == lens.tolist()
     assert type(host + 1) is torch.Tensor and torch.equal(host + 1, lens + 1)
     assert host.data_ptr() == lens.data_ptr() and host.dtype == torch.int32
+
+
+def test_step_buckets_cover_every_step_size_with_a_sixteenth_more_at_most():
+    from pdserve.engine.batch import step_bucket, step_buckets
+
+    buckets = step_buckets(16384)
+    assert buckets == sorted(set(buckets)) and buckets[0] == 16 and buckets[-1] == 16384
+    assert len(buckets) == 112   # 16 per doubling from 256 on
+    for tokens in range(1, 16385):
+        bucket = step_bucket(tokens)
+        assert bucket in buckets and bucket >= tokens and bucket % 16 == 0
+        assert bucket - tokens < max(16, tokens / 16)
+    assert step_buckets(3000)[-1] == step_bucket(3000) == 3072
+
+
+def test_padded_step_computes_what_the_unpadded_step_computes():
+    """A step padded to more tokens (a padding sequence on the null page) gives its sequences
+    the same logits and the same KV, and takes no logits from the padding."""
+    from pdserve.config import EngineConfig
+    from pdserve.engine.runner import ModelRunner
+    from pdserve.kvcache.pool import NULL_PAGE
+
+    runner = ModelRunner(EngineConfig(model="tiny", device="cpu", dtype="float32",
+                                      num_pages=64), "prefill")
+    assert not runner.step_buckets   # on GPUs only
+    rng = random.Random(1)
+    prompts = [[rng.randrange(200) for _ in range(n)] for n in (21, 5, 40)]
+    results = []
+    for pad_to in (0, 100):
+        seqs = [SeqInput(p, 0, runner.pool.allocator.alloc(runner.pool.pages_for(len(p))))
+                for p in prompts]
+        logits = runner.forward(seqs, pad_to=pad_to)
+        kv = [runner.pool.tensor[:, :, s.page_ids].clone() for s in seqs]
+        results.append((logits, kv))
+    (logits, kv), (padded_logits, padded_kv) = results
+    assert padded_logits.shape == logits.shape == (3, runner.model_config.vocab_size)
+    torch.testing.assert_close(padded_logits, logits, rtol=1e-5, atol=1e-5)
+    for a, b in zip(kv, padded_kv):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    batch = ForwardBatch.build([SeqInput(p, 0, [1, 2, 3]) for p in prompts], 16,
+                               torch.device("cpu"), pad_to=100)
+    assert batch.input_ids.shape[0] == 100 and batch.batch_size == 4
+    assert batch.logits_indices.tolist() == [20, 25, 65]
+    assert batch.page_table[3].tolist() == [NULL_PAGE] * 3
+    assert (batch.out_slots[66:] < 16).all()   # the padding's KV goes to the null page
+    # Rows of one token each, padded: a prompt step (the padding is a sequence of 15 tokens).
+    decode = ForwardBatch.build([SeqInput([1], 4, [1])], 16, torch.device("cpu"), pad_to=16)
+    assert not decode.is_decode and decode.input_ids.shape[0] == 16
+    assert decode.logits_indices.tolist() == [0]

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from pdserve.kvcache.pool import NULL_PAGE
+
 if TYPE_CHECKING:
     from pdserve.engine.decode_slots import DecodeSlots
 
@@ -22,6 +24,49 @@ def upload(host: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tenso
     if device.type != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def upload_all(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Each array on ``device`` as `upload` puts it there, in one page-locked block and one
+    copy: a page-locked allocation costs about as much as the copy of a whole prompt step's
+    inputs."""
+    if device.type != "cuda":
+        return [torch.from_numpy(a).to(device) for a in arrays]
+    starts, end = [], 0
+    for array in arrays:
+        starts.append(end)
+        end += -(-array.nbytes // StagingRing.ALIGN) * StagingRing.ALIGN
+    block = torch.empty(max(end, 1), dtype=torch.uint8, pin_memory=True)
+    host = block.numpy()
+    for array, start in zip(arrays, starts):
+        host[start:start + array.nbytes] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    on_device = block.to(device, non_blocking=True)
+    return [on_device[start:start + a.nbytes].view(torch.from_numpy(a[:0]).dtype).view(a.shape)
+            for a, start in zip(arrays, starts)]
+
+
+# Prompt steps on a GPU are padded to one of these token counts (`step_bucket`): 16 of them per
+# doubling (a step grows by 6.25% at most), each run once before serving. cuBLAS picks, and
+# lazily loads, a kernel for each new row count: a step meeting a new count waited milliseconds
+# for it, and live traffic brings new counts for minutes.
+BUCKETS_PER_DOUBLING = 16
+
+
+def step_bucket(tokens: int) -> int:
+    """The padded token count of a prompt step of ``tokens`` tokens."""
+    step = max(1, (1 << max(0, (tokens - 1).bit_length() - 1)) // BUCKETS_PER_DOUBLING)
+    step = max(step, 16)
+    return -(-tokens // step) * step
+
+
+def step_buckets(max_tokens: int) -> list[int]:
+    """Every padded count of a prompt step of up to ``max_tokens`` tokens, ascending."""
+    buckets, tokens = [], 1
+    while tokens <= max_tokens:
+        bucket = step_bucket(tokens)
+        buckets.append(bucket)
+        tokens = bucket + 1
+    return buckets
 
 
 _ARANGES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
@@ -135,13 +180,23 @@ class ForwardBatch:
         return int(self.seq_lens_kv.shape[0])
 
     @classmethod
-    def build(cls, seqs: list[SeqInput], page_size: int, device: torch.device) -> ForwardBatch:
-        if all(len(s.token_ids) == 1 for s in seqs):
+    def build(cls, seqs: list[SeqInput], page_size: int, device: torch.device,
+              pad_to: int = 0) -> ForwardBatch:
+        """``pad_to``: at least this many tokens, the extra ones a padding sequence of token 0
+        on the null page (its KV lands there; no logits are taken from it)."""
+        if pad_to <= sum(len(s.token_ids) for s in seqs):
+            pad_to = 0
+        if not pad_to and all(len(s.token_ids) == 1 for s in seqs):
             return cls._build_decode(seqs, page_size, device)
-        return cls._build_any(seqs, page_size, device)
+        return cls._build_any(seqs, page_size, device, pad_to)
 
     @classmethod
-    def _build_any(cls, seqs: list[SeqInput], page_size: int, device: torch.device) -> ForwardBatch:
+    def _build_any(cls, seqs: list[SeqInput], page_size: int, device: torch.device,
+                   pad_to: int = 0) -> ForwardBatch:
+        real = len(seqs)
+        padding = pad_to - sum(len(s.token_ids) for s in seqs)
+        if padding > 0:
+            seqs = [*seqs, SeqInput([0] * padding, 0, [NULL_PAGE] * -(-padding // page_size))]
         n = len(seqs)
         lens_q = np.array([len(s.token_ids) for s in seqs], dtype=np.int64)
         starts = np.array([s.start_pos for s in seqs], dtype=np.int64)
@@ -161,27 +216,29 @@ class ForwardBatch:
             page_table[row, :len(s.page_ids)] = s.page_ids
         out_slots = (page_table[seq_ids, positions // page_size].astype(np.int64) * page_size
                      + positions % page_size)
-        seq_lens_kv = torch.from_numpy((starts + lens_q).astype(np.int32))
-        cu_seqlens_q = torch.from_numpy(cu.astype(np.int32))
-        page_table = torch.from_numpy(page_table)
-        input_ids, positions, seq_ids, out_slots, last = (
-            torch.from_numpy(a) for a in (input_ids, positions, seq_ids, out_slots, cu[1:] - 1))
+        seq_lens_kv = (starts + lens_q).astype(np.int32)
+        cu_seqlens_q = cu.astype(np.int32)
+        last = cu[1:real + 1] - 1
+        (input_ids_dev, positions_dev, seq_ids_dev, cu_seqlens_q_dev, seq_lens_kv_dev,
+         page_table_dev, out_slots_dev, last_dev) = upload_all(
+            [input_ids, positions, seq_ids, cu_seqlens_q, seq_lens_kv, page_table, out_slots,
+             last], device)
         return cls(
             is_decode=bool((lens_q == 1).all() and (starts > 0).any()),
-            input_ids=upload(input_ids, device),
-            positions=upload(positions, device),
-            seq_ids=upload(seq_ids, device),
-            cu_seqlens_q=upload(cu_seqlens_q, device),
-            seq_lens_kv=upload(seq_lens_kv, device),
-            page_table=upload(page_table, device),
-            out_slots=upload(out_slots, device),
-            logits_indices=upload(last, device),
+            input_ids=input_ids_dev,
+            positions=positions_dev,
+            seq_ids=seq_ids_dev,
+            cu_seqlens_q=cu_seqlens_q_dev,
+            seq_lens_kv=seq_lens_kv_dev,
+            page_table=page_table_dev,
+            out_slots=out_slots_dev,
+            logits_indices=last_dev,
             max_seqlen_q=int(lens_q.max()),
             max_seqlen_kv=int((starts + lens_q).max()),
             page_size=page_size,
-            cu_seqlens_q_cpu=cu_seqlens_q,
-            seq_lens_kv_cpu=seq_lens_kv,
-            page_table_cpu=page_table,
+            cu_seqlens_q_cpu=torch.from_numpy(cu_seqlens_q),
+            seq_lens_kv_cpu=torch.from_numpy(seq_lens_kv),
+            page_table_cpu=torch.from_numpy(page_table),
         )
 
     @classmethod

@@ -11,7 +11,7 @@ import torch
 from pdserve.attention import create_backend, resolve_backend
 from pdserve.attention.base import AttentionBackend
 from pdserve.config import EngineConfig
-from pdserve.engine.batch import ForwardBatch, SeqInput
+from pdserve.engine.batch import ForwardBatch, SeqInput, step_bucket, step_buckets
 from pdserve.engine.cuda_graph import CudaGraphRunner
 from pdserve.engine.launched_step import LaunchedStep
 from pdserve.engine.sampling import SampleRow, SamplingParams, sample
@@ -154,6 +154,7 @@ class ModelRunner:
                  self.model_config.name, str(dtype).removeprefix("torch."), self.device,
                  self.backend_name, reason, self.model.ops.name, num_pages, config.page_size,
                  num_pages * config.page_size, self.layout.dtype)
+        self.step_buckets = config.step_buckets and self.device.type == "cuda"
         self.graphs: CudaGraphRunner | None = None
         # Tensor-parallel ranks capture their collectives inside, every rank in the same order.
         if (role == "decode" and self.device.type == "cuda" and not config.disable_cuda_graph
@@ -218,14 +219,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqInput], on_layer: Callable[[int], None] | None = None,
-                eager: bool = False) -> torch.Tensor:
+                eager: bool = False, pad_to: int = 0) -> torch.Tensor:
         """Runs one step; returns float32 logits of each sequence's last new token.
         ``on_layer(l)`` is called once layer l's K/V are in the pool (eager steps only);
-        ``eager`` runs the step without CUDA graphs even where one could replay."""
+        ``eager`` runs the step without CUDA graphs even where one could replay; an eager step
+        computes at least ``pad_to`` tokens (padding; on a GPU, its bucket's)."""
         with self.on_device():
             if self.graph_mode(seqs, on_layer, eager):
                 return self.graphs.replay(seqs)  # type: ignore[union-attr]
-            batch = ForwardBatch.build(seqs, self.pool.page_size, self.device)
+            tokens = sum(len(s.token_ids) for s in seqs)
+            batch = ForwardBatch.build(seqs, self.pool.page_size, self.device, max(
+                pad_to, step_bucket(tokens) if self.step_buckets else 0))
             batch.on_layer = on_layer
             self.attn.prepare_metadata(batch)
             return self.model(batch, self.attn)
@@ -251,8 +255,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self, num_tokens: int) -> None:
-        """On a GPU, throwaway prefill steps before serving, in the shapes traffic brings: a
-        whole chunk of ``num_tokens``; several prompts of odd lengths (Triton specialises on a
+        """On a GPU, throwaway prefill steps before serving, in the shapes traffic brings: one
+        of each step bucket up to ``num_tokens`` (`step_buckets`); a whole chunk; several prompts of odd lengths (Triton specialises on a
         length's divisibility), one extending a cached prefix, sampled greedily, with
         temperature and with filters; and a prompt too short for the fused kernels. So the first
         requests do not wait for JIT compiles (Triton) and kernel choices (cuBLAS, attention).
@@ -262,6 +266,15 @@ class ModelRunner:
             return
         num_tokens = min(num_tokens, self.model_config.max_model_len,
                          self.pool.allocator.num_free * self.pool.page_size)
+        if self.step_buckets:   # a one-token prompt padded to each bucket
+            page = self.pool.allocator.alloc(1)
+            try:
+                with self.on_device():
+                    for bucket in step_buckets(num_tokens):
+                        self.forward([SeqInput([0], 0, page)], eager=True, pad_to=bucket)
+                    torch.cuda.synchronize(self.device)
+            finally:
+                self.pool.allocator.free(page)
         odd = min(num_tokens // 2, 1024) | 1
         steps = [[(num_tokens, 0)], [(odd, 0), (odd // 2 | 1, 16), (5, 0), (1, 0)], [(3, 0)]]
         for lengths in steps:

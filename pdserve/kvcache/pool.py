@@ -36,6 +36,9 @@ class KVPool:
         self.num_pages = num_pages
         self.tensor = torch.zeros(layout.num_layers, 2, num_pages, layout.page_size,
                                   layout.num_kv_heads, layout.head_dim, dtype=dtype, device=device)
+        # Each layer's K and V cache, viewed once: a step asks for them once per layer.
+        self._caches = [(self.tensor[layer, 0], self.tensor[layer, 1])
+                        for layer in range(layout.num_layers)]
         self.quantized = is_fp8(dtype)
         self.k_scales = list(k_scales or [1.0] * layout.num_layers)
         self.v_scales = list(v_scales or [1.0] * layout.num_layers)
@@ -46,10 +49,10 @@ class KVPool:
         return self.tensor[:, :, 0].numel() * self.tensor.element_size()
 
     def k_cache(self, layer: int) -> torch.Tensor:
-        return self.tensor[layer, 0]
+        return self._caches[layer][0]
 
     def v_cache(self, layer: int) -> torch.Tensor:
-        return self.tensor[layer, 1]
+        return self._caches[layer][1]
 
     def store_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Writes tokens' K/V ``[tokens, kv_heads, head_dim]`` into their flat ``slots`` (one
@@ -82,6 +85,7 @@ class KVPool:
         before all shared CUDA tensors released" (the prefill workers have unmapped it)."""
         if self.tensor.is_cuda:
             torch.cuda.synchronize(self.tensor.device)
+        self._caches = []   # views that would hold the memory
         self.tensor.set_()
 
     def pages_for(self, num_tokens: int) -> int:
