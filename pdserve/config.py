@@ -93,6 +93,10 @@ class EngineConfig(ModelSource):
                                  "of token counts (16 per doubling: a sixteenth more tokens at most), "
                                  "each run once before serving, so that no served step waits "
                                  "for cuBLAS to choose and load kernels for a new shape")
+    prefill_graph_max_tokens: int = setting(2048, "on CUDA, prompt steps of up to this many "
+                                            "tokens replay CUDA graphs of everything but "
+                                            "attention, captured at start for each step "
+                                            "bucket (prefill workers; 0: eager prompt steps)")
     triton_gemv: bool = setting(True, "inside CUDA graphs, batch-1 linear layers as a Triton "
                                 "GEMV (else cuBLAS)")
     overlap_scheduling: bool = setting(True, "prepare and launch step n+1 while step n runs on "

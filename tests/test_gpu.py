@@ -17,7 +17,7 @@ from conftest import generate, metric_sum, pages_at_rest, start_cluster, stop_cl
 from pdserve.attention import create_backend, resolve_backend
 from pdserve.config import EngineConfig
 from pdserve.engine import local
-from pdserve.engine.batch import ForwardBatch, SeqInput
+from pdserve.engine.batch import ForwardBatch, SeqInput, step_bucket
 from pdserve.engine.runner import ModelRunner
 from pdserve.kvcache.pool import KVLayout, KVPool
 from pdserve.sampling_params import SamplingParams
@@ -277,6 +277,41 @@ def assert_graph_step_matches_eager(runner: ModelRunner, lengths: tuple[int, ...
     eager_logits = runner.forward(seqs, eager=True)
     diff = (graph_logits - eager_logits).abs().max() / eager_logits.abs().max()
     assert diff < tolerance, diff
+
+
+@pytest.mark.parametrize("model", ["small", "qwen3-0.6b"])
+def test_prompt_step_graphs_match_eager_steps(model):
+    """Prompt steps replayed in piecewise CUDA graphs give the eager step's logits and K/V to
+    bf16 rounding: one prompt, several in one step, prompts extending a cached prefix; each
+    layer's K/V is announced once, in order; a step over the largest bucket runs eagerly."""
+    runner = ModelRunner(EngineConfig(model=model, page_size=16, num_pages=1024,
+                                      prefill_graph_max_tokens=512), "prefill")
+    graphs = runner.prefill_graphs
+    assert graphs is not None and graphs.max_tokens == 512 and 512 in graphs.graphs
+    layers = runner.model_config.num_layers
+    rng = random.Random(7)
+    prefix = [rng.randrange(256) for _ in range(64)]
+    prefix_pages = runner.pool.allocator.alloc(4)
+    runner.forward([SeqInput(prefix, 0, prefix_pages)], eager=True)
+    for lengths, start in (((5,), 0), ((40, 17, 300), 0), ((100, 3), 64), ((130,), 64)):
+        prompts = [[rng.randrange(256) for _ in range(n)] for n in lengths]
+        results = []
+        for eager in (False, True):
+            seqs = [SeqInput(p, start, (prefix_pages if start else []) + runner.pool.allocator
+                             .alloc(runner.pool.pages_for(len(p)))) for p in prompts]
+            announced: list[int] = []
+            logits = runner.forward(seqs, on_layer=announced.append, eager=eager).clone()
+            assert announced == list(range(layers))
+            kv = [runner.pool.tensor[:, :, s.page_ids[start // 16:]].float() for s in seqs]
+            results.append((logits, kv))
+        (graph_logits, graph_kv), (eager_logits, eager_kv) = results
+        diff = (graph_logits - eager_logits).abs().max() / eager_logits.abs().max()
+        assert diff < 3e-2, (lengths, diff)
+        for a, b in zip(graph_kv, eager_kv):
+            assert (a - b).abs().max() <= 6e-2 * b.abs().max(), lengths
+    too_long = [SeqInput([1] * 600, 0, runner.pool.allocator.alloc(38))]
+    assert not graphs.can_run(ForwardBatch.build(too_long, 16, CUDA, step_bucket(600)))
+    assert runner.forward(too_long).isfinite().all()
 
 
 @pytest.mark.parametrize("model", ["small", "qwen3-0.6b"])

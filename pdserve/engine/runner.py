@@ -12,8 +12,10 @@ from pdserve.attention import create_backend, resolve_backend
 from pdserve.attention.base import AttentionBackend
 from pdserve.config import EngineConfig
 from pdserve.engine.batch import ForwardBatch, SeqInput, step_bucket, step_buckets
+from pdserve.engine import prefill_graphs
 from pdserve.engine.cuda_graph import CudaGraphRunner
 from pdserve.engine.launched_step import LaunchedStep
+from pdserve.engine.prefill_graphs import PrefillGraphs
 from pdserve.engine.sampling import SampleRow, SamplingParams, sample
 from pdserve.errors import ConfigError
 from pdserve.kvcache.kv_dtype import is_fp8, kv_storage_dtype
@@ -128,7 +130,9 @@ class ModelRunner:
             page_size=config.page_size, num_layers=self.model_config.num_layers,
             num_kv_heads=heads.num_kv_heads, head_dim=self.model_config.head_dim)
         self.tp = tp if is_parallel(tp) else None
-        num_pages = config.num_pages or self._pages_for_budget(config, kv_dtype, step_tokens,
+        # Prompt-step graphs hold their own activations, beside an eager step's.
+        reserved = step_tokens + self._prefill_graph_tokens(config, role, step_tokens, quiet=True)
+        num_pages = config.num_pages or self._pages_for_budget(config, kv_dtype, reserved,
                                                                min_pool_tokens)
         if self.tp is not None:   # every rank holds the same pages: as many as the least fits
             num_pages = self.tp.min(num_pages)
@@ -155,6 +159,10 @@ class ModelRunner:
                  self.backend_name, reason, self.model.ops.name, num_pages, config.page_size,
                  num_pages * config.page_size, self.layout.dtype)
         self.step_buckets = config.step_buckets and self.device.type == "cuda"
+        self.prefill_graphs: PrefillGraphs | None = None
+        graph_tokens = self._prefill_graph_tokens(config, role, step_tokens)
+        if graph_tokens:
+            self.prefill_graphs = PrefillGraphs(self.model, self.attn, self.pool, graph_tokens)
         self.graphs: CudaGraphRunner | None = None
         # Tensor-parallel ranks capture their collectives inside, every rank in the same order.
         if (role == "decode" and self.device.type == "cuda" and not config.disable_cuda_graph
@@ -162,6 +170,19 @@ class ModelRunner:
             self.graphs = CudaGraphRunner(self.model, self.attn, self.pool,
                                           config.cuda_graph_max_bs, self.model_config.max_model_len,
                                           config.graph_blas)
+
+    def _prefill_graph_tokens(self, config: EngineConfig, role: str, step_tokens: int,
+                              quiet: bool = False) -> int:
+        """The largest prompt step replayed in CUDA graphs (PrefillGraphs); 0: none."""
+        if (role != "prefill" or self.device.type != "cuda" or not config.step_buckets
+                or config.prefill_graph_max_tokens <= 0 or config.disable_cuda_graph):
+            return 0
+        why_not = prefill_graphs.supported(self.model)
+        if why_not:
+            if not quiet:
+                log.info("prompt steps run eagerly: %s", why_not)
+            return 0
+        return min(config.prefill_graph_max_tokens, step_tokens)
 
     def _backend_supports_graphs(self) -> bool:
         supported = type(self.attn).init_capture_graph is not AttentionBackend.init_capture_graph
@@ -232,6 +253,8 @@ class ModelRunner:
                 pad_to, step_bucket(tokens) if self.step_buckets else 0))
             batch.on_layer = on_layer
             self.attn.prepare_metadata(batch)
+            if not eager and self.prefill_graphs is not None and self.prefill_graphs.can_run(batch):
+                return self.prefill_graphs.run(batch)
             return self.model(batch, self.attn)
 
     @torch.inference_mode()

@@ -81,17 +81,25 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 
+    def query(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The queries of normed ``x``, this layer's K/V stored in the pool on the way (the fused
+        (q/k norm,) RoPE + K/V store kernel)."""
+        cfg = self.config
+        pool = ctx.attn.pool
+        return ctx.ops.rope_store_kv(
+            ctx.linear(self.qkv_proj, x), ctx.batch.positions, ctx.batch.out_slots, ctx.cos_sin,
+            pool.k_cache(self.layer_id), pool.v_cache(self.layer_id), self.num_heads,
+            self.num_kv_heads, cfg.head_dim, self.q_norm.weight if cfg.qk_norm else None,
+            self.k_norm.weight if cfg.qk_norm else None, cfg.rms_norm_eps)
+
+    def output(self, out: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The output projection of the attention's ``out``."""
+        return ctx.linear(self.o_proj, out.reshape(-1, self.q_size))
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         cfg = self.config
         if ctx.fuse_rope_kv:
-            pool = ctx.attn.pool
-            q = ctx.ops.rope_store_kv(
-                ctx.linear(self.qkv_proj, x), ctx.batch.positions, ctx.batch.out_slots, ctx.cos_sin,
-                pool.k_cache(self.layer_id), pool.v_cache(self.layer_id), self.num_heads,
-                self.num_kv_heads, cfg.head_dim, self.q_norm.weight if cfg.qk_norm else None,
-                self.k_norm.weight if cfg.qk_norm else None, cfg.rms_norm_eps)
-            out = ctx.attn.attend(q, self.layer_id, ctx.batch)
-            return ctx.linear(self.o_proj, out.reshape(-1, self.q_size))
+            return self.output(ctx.attn.attend(self.query(x, ctx), self.layer_id, ctx.batch), ctx)
         q, k, v = ctx.linear(self.qkv_proj, x).split([self.q_size, self.kv_size, self.kv_size],
                                                      dim=-1)
         q = q.view(-1, self.num_heads, cfg.head_dim)
@@ -135,14 +143,31 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
                 ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
-        norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
+        h, residual = self._norm_in(x, residual, ctx)
+        return self._after_attention(self.self_attn(h, ctx), residual, ctx)
+
+    def attention_input(self, x: torch.Tensor, residual: torch.Tensor | None,
+                        ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer up to its attention (fused K/V store path): (queries, residual)."""
+        h, residual = self._norm_in(x, residual, ctx)
+        return self.self_attn.query(h, ctx), residual
+
+    def attention_output(self, out: torch.Tensor, residual: torch.Tensor,
+                         ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer from its attention's ``out`` on: (hidden states, residual)."""
+        return self._after_attention(self.self_attn.output(out, ctx), residual, ctx)
+
+    def _norm_in(self, x: torch.Tensor, residual: torch.Tensor | None,
+                 ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        norm = self.input_layernorm
         if residual is None:
-            residual = x
-            h = ctx.ops.rmsnorm(x, norm_in.weight, norm_in.eps)
-        else:
-            h, residual = ctx.ops.add_rmsnorm(x, residual, norm_in.weight, norm_in.eps)
-        h = self.self_attn(h, ctx)
-        h, residual = ctx.ops.add_rmsnorm(h, residual, norm_post.weight, norm_post.eps)
+            return ctx.ops.rmsnorm(x, norm.weight, norm.eps), x
+        return ctx.ops.add_rmsnorm(x, residual, norm.weight, norm.eps)
+
+    def _after_attention(self, h: torch.Tensor, residual: torch.Tensor,
+                         ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        norm = self.post_attention_layernorm
+        h, residual = ctx.ops.add_rmsnorm(h, residual, norm.weight, norm.eps)
         return self.mlp(h, ctx), residual
 
 
@@ -222,11 +247,17 @@ class CausalLM(nn.Module):
             x, residual = layer(x, residual, ctx)
             if batch.on_layer is not None:
                 batch.on_layer(i)
+        return self.logits(x, residual, batch, float_logits, ctx.gemv)
+
+    def logits(self, x: torch.Tensor, residual: torch.Tensor, batch: ForwardBatch,
+               float_logits: bool = True, gemv: bool = False) -> torch.Tensor:
+        """The last layer's hidden states and residual to the logits of the rows
+        ``batch.logits_indices`` names: the final norm and the LM head."""
         rows = batch.logits_indices
         x, _ = self.ops.add_rmsnorm(x[rows], residual[rows], self.norm.weight, self.norm.eps)
         head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head
         if self.tp is not None:   # this rank's vocabulary slice, then every rank's gathered
             logits = head.logits(x)
         else:
-            logits = self.ops.gemv(x, head.weight) if ctx.gemv else F.linear(x, head.weight)
+            logits = self.ops.gemv(x, head.weight) if gemv else F.linear(x, head.weight)
         return logits.float() if float_logits else logits
