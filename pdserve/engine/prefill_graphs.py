@@ -50,10 +50,12 @@ def supported(model: CausalLM) -> str:
 
 
 class PrefillGraphs:
-    """The captured pieces of every step bucket up to ``max_tokens``, and their buffers."""
+    """The captured pieces of every step bucket up to ``max_tokens``, and their buffers.
+    ``capture=False`` keeps the pieces as functions run in place of their replays (the CPU's
+    check of what the pieces compute)."""
 
     def __init__(self, model: CausalLM, attn: AttentionBackend, pool: KVPool,
-                 max_tokens: int) -> None:
+                 max_tokens: int, capture: bool = True) -> None:
         self.model = model
         self.attn = attn
         self.pool = pool
@@ -70,7 +72,11 @@ class PrefillGraphs:
         heads = model.heads.num_heads
         self.queries = torch.zeros(n, heads, cfg.head_dim, dtype=dtype, device=device)
         self.attn_out = torch.zeros(n, heads * cfg.head_dim, dtype=dtype, device=device)
-        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        # Each bucket's pieces, in order: a graph's replay, or the piece itself uncaptured.
+        self.graphs: dict[int, list[Callable[[], None]]] = {}
+        if not capture:
+            self.graphs = {tokens: self._pieces(tokens) for tokens in self.buckets}
+            return
         started = time.perf_counter()
         self._capture_all()
         log.info("captured prompt-step CUDA graphs: %d buckets of %d pieces (%d..%d tokens) "
@@ -134,13 +140,13 @@ class PrefillGraphs:
                 for piece in pieces:   # warm-up: lazy initialisation, kernel choices
                     piece()
             torch.cuda.current_stream().wait_stream(stream)
-            graphs = []
+            graphs: list[Callable[[], None]] = []
             for piece in pieces:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=memory_pool, stream=stream):
                     piece()
                 memory_pool = graph.pool()
-                graphs.append(graph)
+                graphs.append(graph.replay)
             self.graphs[tokens] = graphs
         torch.cuda.synchronize()
 
@@ -153,10 +159,10 @@ class PrefillGraphs:
         self.positions[:tokens].copy_(batch.positions)
         self.out_slots[:tokens].copy_(batch.out_slots)
         queries, attn_out = self.queries[:tokens], self.attn_out[:tokens]
-        for layer, graph in enumerate(graphs[:-1]):
-            graph.replay()
+        for layer, replay in enumerate(graphs[:-1]):
+            replay()
             if batch.on_layer is not None:   # the piece stored this layer's K/V
                 batch.on_layer(layer)
-            attn_out.copy_(self.attn.attend(queries, layer, batch).view_as(attn_out))
-        graphs[-1].replay()
+            attn_out.copy_(self.attn.attend(queries, layer, batch).reshape(attn_out.shape))
+        graphs[-1]()
         return self.model.logits(self.hidden[:tokens], self.residual[:tokens], batch)

@@ -23,6 +23,24 @@ class TorchOps:
         """Whether ``rope_store_kv`` (RoPE + the K/V store in one kernel) takes this head dim."""
         return False
 
+    def rope_store_kv(self, qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                      cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      num_heads: int, num_kv_heads: int, head_dim: int,
+                      q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+                      eps: float) -> torch.Tensor:
+        """(q/k RMSNorm,) RoPE and the K/V store of one layer, as the fused kernel does them
+        (CudaOps; here for checking what calls it on the CPU); returns q [tokens, heads, dim]."""
+        q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim,
+                             num_kv_heads * head_dim], dim=-1)
+        q = q.reshape(-1, num_heads, head_dim)
+        k = k.reshape(-1, num_kv_heads, head_dim)
+        if q_norm is not None and k_norm is not None:
+            q, k = self.rmsnorm(q, q_norm, eps), self.rmsnorm(k, k_norm, eps)
+        q, k = self.rope(positions, q, k, cos_sin)
+        for cache, values in ((k_cache, k), (v_cache, v.reshape(-1, num_kv_heads, head_dim))):
+            cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, values.to(cache.dtype))
+        return q
+
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
