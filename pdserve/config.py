@@ -90,9 +90,9 @@ class EngineConfig(ModelSource):
                               "down projection better at decode batches) or cublas",
                               choices=("cublaslt", "cublas"))
     step_buckets: bool = setting(True, "on CUDA, pad each prompt step to one of a fixed set "
-                                 "of token counts (16 per doubling: a sixteenth more tokens at most), "
-                                 "each run once before serving, so that no served step waits "
-                                 "for cuBLAS to choose and load kernels for a new shape")
+                                 "of token counts (16 per doubling: a sixteenth more tokens at "
+                                 "most), each run once before serving, so that no served step "
+                                 "waits for cuBLAS to choose and load kernels for a new shape")
     prefill_graph_max_tokens: int = setting(2048, "on CUDA, prompt steps of up to this many "
                                             "tokens replay CUDA graphs of everything but "
                                             "attention, captured at start for each step "

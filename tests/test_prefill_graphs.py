@@ -9,7 +9,7 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.batch import ForwardBatch, SeqInput, step_bucket
-from pdserve.engine.prefill_graphs import PrefillGraphs, supported
+from pdserve.engine.prefill_graphs import PrefillGraphs, why_not_captured
 from pdserve.engine.runner import ModelRunner
 
 CPU = torch.device("cpu")
@@ -57,9 +57,9 @@ def test_prompt_step_pieces_compute_the_eager_step(model):
 
 def test_models_the_pieces_do_not_take_say_why():
     dense = ModelRunner(EngineConfig(model="tiny", device="cpu", num_pages=16), "prefill")
-    assert "fused" in supported(dense.model)   # no fused kernel on the CPU
+    assert "fused" in why_not_captured(dense.model)   # no fused kernel on the CPU
     moe = ModelRunner(EngineConfig(model="tiny-moe", device="cpu", num_pages=16), "prefill")
     moe.model.fuse_rope_kv = True
-    assert supported(moe.model) == "mixture-of-experts layers"
+    assert why_not_captured(moe.model) == "mixture-of-experts layers"
     dense.model.fuse_rope_kv = True
-    assert supported(dense.model) == ""
+    assert why_not_captured(dense.model) == ""

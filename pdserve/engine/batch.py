@@ -54,8 +54,7 @@ BUCKETS_PER_DOUBLING = 16
 
 def step_bucket(tokens: int) -> int:
     """The padded token count of a prompt step of ``tokens`` tokens."""
-    step = max(1, (1 << max(0, (tokens - 1).bit_length() - 1)) // BUCKETS_PER_DOUBLING)
-    step = max(step, 16)
+    step = max(16, (1 << max(0, (tokens - 1).bit_length() - 1)) // BUCKETS_PER_DOUBLING)
     return -(-tokens // step) * step
 
 

@@ -38,7 +38,7 @@ from pdserve.progress import progress
 log = logging.getLogger(__name__)
 
 
-def supported(model: CausalLM) -> str:
+def why_not_captured(model: CausalLM) -> str:
     """Why ``model``'s prompt steps cannot run in piecewise graphs; "" if they can."""
     if model.tp is not None:
         return "tensor parallelism"

@@ -12,10 +12,9 @@ from pdserve.attention import create_backend, resolve_backend
 from pdserve.attention.base import AttentionBackend
 from pdserve.config import EngineConfig
 from pdserve.engine.batch import ForwardBatch, SeqInput, step_bucket, step_buckets
-from pdserve.engine import prefill_graphs
 from pdserve.engine.cuda_graph import CudaGraphRunner
 from pdserve.engine.launched_step import LaunchedStep
-from pdserve.engine.prefill_graphs import PrefillGraphs
+from pdserve.engine.prefill_graphs import PrefillGraphs, why_not_captured
 from pdserve.engine.sampling import SampleRow, SamplingParams, sample
 from pdserve.errors import ConfigError
 from pdserve.kvcache.kv_dtype import is_fp8, kv_storage_dtype
@@ -177,12 +176,13 @@ class ModelRunner:
         if (role != "prefill" or self.device.type != "cuda" or not config.step_buckets
                 or config.prefill_graph_max_tokens <= 0 or config.disable_cuda_graph):
             return 0
-        why_not = prefill_graphs.supported(self.model)
+        why_not = why_not_captured(self.model)
         if why_not:
             if not quiet:
                 log.info("prompt steps run eagerly: %s", why_not)
             return 0
-        return min(config.prefill_graph_max_tokens, step_tokens)
+        tokens = min(config.prefill_graph_max_tokens, step_tokens)
+        return tokens if tokens >= step_bucket(1) else 0   # at least one bucket
 
     def _backend_supports_graphs(self) -> bool:
         supported = type(self.attn).init_capture_graph is not AttentionBackend.init_capture_graph
@@ -242,9 +242,9 @@ class ModelRunner:
     def forward(self, seqs: list[SeqInput], on_layer: Callable[[int], None] | None = None,
                 eager: bool = False, pad_to: int = 0) -> torch.Tensor:
         """Runs one step; returns float32 logits of each sequence's last new token.
-        ``on_layer(l)`` is called once layer l's K/V are in the pool (eager steps only);
-        ``eager`` runs the step without CUDA graphs even where one could replay; an eager step
-        computes at least ``pad_to`` tokens (padding; on a GPU, its bucket's)."""
+        ``on_layer(l)`` is called once layer l's K/V are in the pool (prompt steps only);
+        ``eager`` runs the step without CUDA graphs even where one could replay; a prompt step
+        computes at least ``pad_to`` tokens, and on a GPU its bucket's (padding)."""
         with self.on_device():
             if self.graph_mode(seqs, on_layer, eager):
                 return self.graphs.replay(seqs)  # type: ignore[union-attr]
@@ -253,8 +253,9 @@ class ModelRunner:
                 pad_to, step_bucket(tokens) if self.step_buckets else 0))
             batch.on_layer = on_layer
             self.attn.prepare_metadata(batch)
-            if not eager and self.prefill_graphs is not None and self.prefill_graphs.can_run(batch):
-                return self.prefill_graphs.run(batch)
+            graphs = None if eager else self.prefill_graphs
+            if graphs is not None and graphs.can_run(batch):
+                return graphs.run(batch)
             return self.model(batch, self.attn)
 
     @torch.inference_mode()
@@ -279,9 +280,10 @@ class ModelRunner:
     @torch.inference_mode()
     def warm_up(self, num_tokens: int) -> None:
         """On a GPU, throwaway prefill steps before serving, in the shapes traffic brings: one
-        of each step bucket up to ``num_tokens`` (`step_buckets`); a whole chunk; several prompts of odd lengths (Triton specialises on a
-        length's divisibility), one extending a cached prefix, sampled greedily, with
-        temperature and with filters; and a prompt too short for the fused kernels. So the first
+        of each step bucket up to ``num_tokens`` (`step_buckets`); a whole chunk; several
+        prompts of odd lengths (Triton specialises on a length's divisibility), one extending a
+        cached prefix, sampled greedily, with temperature and with filters; and a prompt too
+        short for the fused kernels. So the first
         requests do not wait for JIT compiles (Triton) and kernel choices (cuBLAS, attention).
         Not a step: ``--profile-steps`` counts served steps, all of them launched on the thread
         that serves (a trace is started and stopped on one)."""
