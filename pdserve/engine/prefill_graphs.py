@@ -17,8 +17,8 @@ buffers allocated outside it (the residual stream is updated in place), so a pie
 temporaries are dead once it has run and pieces may share them in any order.
 
 Dense bf16/fp16 and FP8-weight models with the fused RoPE + K/V store kernel, one rank: others
-prefill eagerly (mixture-of-experts layers route on the host; under tensor parallelism every
-rank would have to capture its collectives).
+prefill eagerly. Mixture-of-experts layers and tensor-parallel collectives are captured in
+decode's graphs but have not been run in these yet.
 """
 from __future__ import annotations
 
