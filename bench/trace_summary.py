@@ -1,6 +1,8 @@
 """Where a traced worker's steps went: GPU kernel time against the span, the longest GPU idle
 gaps with the host ops that ran during each, the kernels by total time, and each host thread's
-busiest ops. Reads the Chrome traces that ``--profile-dir/--profile-steps`` writes.
+busiest ops and stalls (calls far longer than their op's median, such as cuBLAS choosing and
+loading a kernel for a new shape). Reads the Chrome traces that ``--profile-dir/--profile-steps``
+writes.
 
     python bench/trace_summary.py /tmp/prof            # every *.json trace in the folder
 
@@ -17,7 +19,13 @@ from pathlib import Path
 HOST = ("cpu_op", "cuda_runtime", "user_annotation", "python_function")
 
 
-def summarise(path: Path, gaps_shown: int = 12, kernels_shown: int = 14) -> str | None:
+# A host call is a stall when it takes this long and this many times its op's median.
+STALL_MIN_US = 1000.0
+STALL_FACTOR = 20.0
+
+
+def summarise(path: Path, gaps_shown: int = 12, kernels_shown: int = 14,
+              stalls_shown: int = 8) -> str | None:
     """The summary of one trace; None if ``path`` holds no Chrome trace."""
     trace = json.loads(path.read_text())
     if not isinstance(trace, dict) or "traceEvents" not in trace:
@@ -57,15 +65,31 @@ def summarise(path: Path, gaps_shown: int = 12, kernels_shown: int = 14) -> str 
     for tid, ops_of in by_thread.items():
         stack: list[dict] = []
         top: collections.Counter = collections.Counter()
+        durations: dict[str, list[float]] = collections.defaultdict(list)
         for e in ops_of:
             while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
                 stack.pop()
             if not stack:
                 top[e["name"][:40]] += e["dur"]
+                durations[e["name"][:40]].append(e["dur"])
             stack.append(e)
         lines.append(f"  thread {tid}: top-level ops {sum(top.values()) / 1000:.2f} ms: " + "; ".join(
             f"{name} {us / 1000:.2f}" for name, us in top.most_common(8)))
+        lines += _stalls(durations, stalls_shown)
     return "\n".join(lines)
+
+
+def _stalls(durations: dict[str, list[float]], shown: int) -> list[str]:
+    """A thread's calls that took far longer than their op usually does (a library choosing and
+    loading a kernel for a new shape, a lock, a sync): the longest, each beside its op's median."""
+    stalls = []
+    for name, durs in durations.items():
+        median = sorted(durs)[len(durs) // 2]
+        stalls += [(d, name, median, len(durs)) for d in durs
+                   if d >= STALL_MIN_US and d >= STALL_FACTOR * median]
+    stalls.sort(reverse=True)
+    return [f"    stall {d:8.0f} us in {name} (median {median:.0f} us of {calls} calls)"
+            for d, name, median, calls in stalls[:shown]]
 
 
 def main() -> None:

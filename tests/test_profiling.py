@@ -72,6 +72,11 @@ def test_the_trace_summary_finds_the_gpus_idle_time_and_what_the_host_ran(tmp_pa
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "tid": 7, "ts": 150,
          "dur": 240},
     ]
+    # Twenty 20 us calls of one op and one of 3 ms: a stall beside its op's median.
+    events += [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "tid": 8, "ts": 1000 + 50 * i,
+                "dur": 20} for i in range(20)]
+    events.append({"ph": "X", "cat": "cpu_op", "name": "aten::mm", "tid": 8, "ts": 5000,
+                   "dur": 3000})
     (tmp_path / "decode-1.json").write_text(json.dumps({"traceEvents": events}))
     (tmp_path / "other.json").write_text(json.dumps({"not": "a trace"}))
     out = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True,
@@ -79,6 +84,8 @@ def test_the_trace_summary_finds_the_gpus_idle_time_and_what_the_host_ran(tmp_pa
     assert "span 0.60 ms, kernels busy 0.30 ms, GPU idle 0.30 ms" in out
     assert "idle     300 us at +   0.10 ms: 7:cudaGraphLaunch 240" in out
     assert "thread 7: top-level ops 0.24 ms: cudaGraphLaunch 0.24" in out
+    assert "stall     3000 us in aten::mm (median 20 us of 21 calls)" in out
+    assert out.count("stall") == 1
     empty = tmp_path / "empty"
     empty.mkdir()
     failed = subprocess.run([sys.executable, str(script), str(empty)], capture_output=True,
