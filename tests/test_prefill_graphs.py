@@ -63,3 +63,22 @@ def test_models_the_pieces_do_not_take_say_why():
     assert why_not_captured(moe.model) == "mixture-of-experts layers"
     dense.model.fuse_rope_kv = True
     assert why_not_captured(dense.model) == ""
+
+
+def test_a_capture_that_fails_leaves_eager_prompt_steps_and_a_warning(monkeypatch, caplog):
+    """Graphs that cannot be captured (out of memory, say) are not a reason not to serve."""
+    from pdserve.engine import runner as runner_module
+
+    def fail(*args, **kwargs):  # noqa: ANN002, ANN003
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(runner_module.ModelRunner, "_prefill_graph_tokens",
+                        lambda self, config, role, step_tokens, quiet=False: 256)
+    monkeypatch.setattr(runner_module, "PrefillGraphs", fail)
+    with caplog.at_level("WARNING", logger="pdserve.engine.runner"):
+        runner = ModelRunner(EngineConfig(model="tiny", device="cpu", num_pages=16), "prefill")
+    assert runner.prefill_graphs is None
+    assert "prompt-step CUDA graphs not captured (OutOfMemoryError: CUDA out of memory" in (
+        caplog.text)
+    pages = runner.pool.allocator.alloc(1)
+    assert runner.forward([SeqInput([1, 2, 3], 0, pages)]).shape[0] == 1

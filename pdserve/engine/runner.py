@@ -161,7 +161,16 @@ class ModelRunner:
         self.prefill_graphs: PrefillGraphs | None = None
         graph_tokens = self._prefill_graph_tokens(config, role, step_tokens)
         if graph_tokens:
-            self.prefill_graphs = PrefillGraphs(self.model, self.attn, self.pool, graph_tokens)
+            try:
+                self.prefill_graphs = PrefillGraphs(self.model, self.attn, self.pool,
+                                                    graph_tokens)
+            except (torch.OutOfMemoryError, RuntimeError) as err:   # serve, eagerly
+                first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
+                log.warning("prompt-step CUDA graphs not captured (%s: %s): prompt steps run "
+                            "eagerly; --prefill-graph-max-tokens 0 skips the attempt",
+                            type(err).__name__, first_line)
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
         self.graphs: CudaGraphRunner | None = None
         # Tensor-parallel ranks capture their collectives inside, every rank in the same order.
         if (role == "decode" and self.device.type == "cuda" and not config.disable_cuda_graph
