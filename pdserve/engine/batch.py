@@ -26,22 +26,42 @@ def upload(host: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tenso
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
+PACK_ALIGN = 8   # bytes: packed arrays start where any dtype may
+
+
 def upload_all(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
     """Each array on ``device`` as `upload` puts it there, in one page-locked block and one
     copy: a page-locked allocation costs about as much as the copy of a whole prompt step's
     inputs."""
     if device.type != "cuda":
         return [torch.from_numpy(a).to(device) for a in arrays]
+    starts, end = _layout(arrays)
+    block = torch.empty(max(end, 1), dtype=torch.uint8, pin_memory=True)
+    _pack(block, arrays, starts)
+    return _views(block.to(device, non_blocking=True), arrays, starts)
+
+
+def _layout(arrays: tuple[np.ndarray, ...] | list[np.ndarray]) -> tuple[list[int], int]:
+    """Where each array starts in one packed block (aligned for any dtype), and its length."""
     starts, end = [], 0
     for array in arrays:
         starts.append(end)
-        end += -(-array.nbytes // StagingRing.ALIGN) * StagingRing.ALIGN
-    block = torch.empty(max(end, 1), dtype=torch.uint8, pin_memory=True)
+        end += -(-array.nbytes // PACK_ALIGN) * PACK_ALIGN
+    return starts, end
+
+
+def _pack(block: torch.Tensor, arrays: tuple[np.ndarray, ...] | list[np.ndarray],
+          starts: list[int]) -> None:
+    """Writes the arrays' bytes into a host uint8 ``block`` at ``starts``."""
     host = block.numpy()
     for array, start in zip(arrays, starts):
         host[start:start + array.nbytes] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-    on_device = block.to(device, non_blocking=True)
-    return [on_device[start:start + a.nbytes].view(torch.from_numpy(a[:0]).dtype).view(a.shape)
+
+
+def _views(packed: torch.Tensor, arrays: tuple[np.ndarray, ...] | list[np.ndarray],
+           starts: list[int]) -> list[torch.Tensor]:
+    """Each array's dtype and shape over its bytes in ``packed``."""
+    return [packed[start:start + a.nbytes].view(torch.from_numpy(a[:0]).dtype).view(a.shape)
             for a, start in zip(arrays, starts)]
 
 
@@ -91,8 +111,6 @@ class StagingRing:
     the stream has read it, in stream order: what a block holds must be read on the stream it
     was uploaded on, before the block's next turn (``blocks`` uploads later)."""
 
-    ALIGN = 8
-
     def __init__(self, nbytes: int, device: torch.device, blocks: int = 4) -> None:
         self.nbytes = nbytes
         self.device = device
@@ -108,10 +126,7 @@ class StagingRing:
                stream: torch.cuda.Stream | None = None) -> list[torch.Tensor]:
         """Each array on the device, in one copy (through `upload` when they do not fit in a
         block). ``stream``: the current stream, where the caller has it at hand."""
-        starts, end = [], 0
-        for array in arrays:
-            starts.append(end)
-            end += -(-array.nbytes // self.ALIGN) * self.ALIGN
+        starts, end = _layout(arrays)
         if end > self.nbytes:
             return [upload(np.ascontiguousarray(a), self.device) for a in arrays]
         i = self._next
@@ -119,18 +134,14 @@ class StagingRing:
         block, copied = self._blocks[i], self._copied[i]
         if copied is not None:
             copied.synchronize()
-        host = block.numpy()
-        for array, start in zip(arrays, starts):
-            flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-            host[start:start + array.nbytes] = flat
+        _pack(block, arrays, starts)
         on_device = self._device_blocks[i][:end]
         on_device.copy_(block[:end], non_blocking=self.on_cuda)
         if self.on_cuda:
             if copied is None:
                 copied = self._copied[i] = torch.cuda.Event()
             copied.record(stream)
-        return [on_device[start:start + a.nbytes].view(torch.from_numpy(a[:0]).dtype)
-                .view(a.shape) for a, start in zip(arrays, starts)]
+        return _views(on_device, arrays, starts)
 
 
 @dataclass
@@ -183,18 +194,16 @@ class ForwardBatch:
               pad_to: int = 0) -> ForwardBatch:
         """``pad_to``: at least this many tokens, the extra ones a padding sequence of token 0
         on the null page (its KV lands there; no logits are taken from it)."""
-        if pad_to <= sum(len(s.token_ids) for s in seqs):
-            pad_to = 0
-        if not pad_to and all(len(s.token_ids) == 1 for s in seqs):
+        padding = max(0, pad_to - sum(len(s.token_ids) for s in seqs))
+        if not padding and all(len(s.token_ids) == 1 for s in seqs):
             return cls._build_decode(seqs, page_size, device)
-        return cls._build_any(seqs, page_size, device, pad_to)
+        return cls._build_any(seqs, page_size, device, padding)
 
     @classmethod
     def _build_any(cls, seqs: list[SeqInput], page_size: int, device: torch.device,
-                   pad_to: int = 0) -> ForwardBatch:
+                   padding: int = 0) -> ForwardBatch:
         real = len(seqs)
-        padding = pad_to - sum(len(s.token_ids) for s in seqs)
-        if padding > 0:
+        if padding:
             seqs = [*seqs, SeqInput([0] * padding, 0, [NULL_PAGE] * -(-padding // page_size))]
         n = len(seqs)
         lens_q = np.array([len(s.token_ids) for s in seqs], dtype=np.int64)
