@@ -7,7 +7,9 @@ by kind.
 Targets, each run in turn on the same seeded request stream:
   --base-url URL     an OpenAI-compatible server (pdserve, SGLang, vLLM, mini-sglang), streamed
                      as server-sent events from /v1/completions or, with --endpoint chat,
-                     /v1/chat/completions (mini-sglang's server takes only chat);
+                     /v1/chat/completions (mini-sglang's server takes only chat); URL,URL,...
+                     is one target of several copies (one per GPU, say), each request sent to
+                     the next in turn, as a round-robin balancer would;
   --grpc HOST:PORT   pdserve's gRPC API (GenerationService.Generate, streamed);
   `up` as either's value: the cluster this script starts (`pdserve up --model M --up-args ...`,
   up until the last target is done: a peer on the same GPU needs room beside it); with no
@@ -67,6 +69,8 @@ rates: [{rate, metrics: {name: {label: value}}, ratios: {label: {name: first / l
         --label sglang --model /tmp/q06 --rates 4,8 --arrival poisson   # side by side
     python bench/serving.py --base-url up --label pdserve --base-url http://127.0.0.1:1919 \\
         --label mini-sglang --endpoint chat --model /tmp/q06   # mini-sglang: chat only
+    python bench/serving.py --base-url http://127.0.0.1:30000,http://127.0.0.1:30001 \\
+        --label peer-x2 --rates 20,40   # two copies of a peer, one per GPU, in turn
     python bench/serving.py --grpc 127.0.0.1:50051 --workload multi-turn --turns uniform:2:5 \\
         --think-time-s exponential:2 --rates 1,2 --save-requests
 """
@@ -294,6 +298,7 @@ class Result:
     finish_reason: str | None = None
     error: str | None = None
     error_message: str | None = None
+    copy: int = 0                      # which of the target's URLs served it
     itl_s: list[float] = field(default_factory=list)
     _last: float = field(default=0.0, repr=False)
     _first_choice: float | None = field(default=None, repr=False)
@@ -367,10 +372,12 @@ class HttpClient:
     """An OpenAI-compatible server: one aiohttp session for every request."""
 
     def __init__(self, base_url: str, endpoint: str, args: argparse.Namespace) -> None:
-        self.base_url = base_url.rstrip("/").removesuffix("/v1")
+        bases = [url.strip().rstrip("/").removesuffix("/v1") for url in base_url.split(",")]
+        self.base_url = bases[0]   # its /v1/models names the model for every copy
         self.endpoint, self.args = endpoint, args
         path = "chat/completions" if endpoint == "chat" else "completions"
-        self.url = f"{self.base_url}/v1/{path}"
+        self.urls = [f"{base}/v1/{path}" for base in bases]
+        self._next = itertools.count()
         self.model = args.model_name
         self.session: Any = None
 
@@ -415,9 +422,10 @@ class HttpClient:
     async def request(self, messages: Messages, output_len: int, result: Result) -> None:
         body = self.body(messages, output_len)
         chat = self.endpoint == "chat"
+        result.copy = next(self._next) % len(self.urls)
         result.sent_s = time.perf_counter()
         try:
-            async with self.session.post(self.url, json=body) as reply:
+            async with self.session.post(self.urls[result.copy], json=body) as reply:
                 if reply.status != 200:
                     result.fail(f"http {reply.status}", _error_text(await reply.text()))
                     return
@@ -800,7 +808,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     target = parser.add_argument_group("targets")
     target.add_argument("--base-url", action=_AddTarget, metavar="URL",
                         help="an OpenAI-compatible server (http://host:port), or `up`; repeat "
-                             "to compare")
+                             "to compare; URL,URL,...: copies of one server, sent to in turn")
     target.add_argument("--grpc", action=_AddTarget, metavar="HOST:PORT",
                         help="pdserve's gRPC API, or `up`; repeat to compare")
     target.add_argument("--label", action=_Label, help="name of the target given before it")

@@ -128,15 +128,17 @@ def test_multi_turn_chats_over_the_chat_endpoint_and_grpc(cluster, tmp_path):
     assert result["targets"][0]["endpoint"] == "chat"
 
 
-def test_a_shared_prefix_chat_mix(cluster, tmp_path):
+def test_a_shared_prefix_chat_mix_over_two_copies(cluster, tmp_path):
+    """URL,URL is one target of copies sent to in turn (here both copies are the one cluster)."""
     result, _ = _run(tmp_path, [
-        "--base-url", cluster.http_url, "--endpoint", "chat", "--workload", "shared-prefix",
+        "--base-url", f"{cluster.http_url},{cluster.http_url}/", "--endpoint", "chat", "--workload", "shared-prefix",
         "--num-prefixes", "2", "--prefix-len", "6", "--prefix-fraction", "1", "--rates", "8",
         "--arrival", "burst", "--burst-size", "2", "--max-token-id", "256", *SMALL])
     (run,) = result["targets"][0]["runs"]
     _assert_all_served(run)
     # Each prompt: a system prompt of 6 words, then its user part.
     assert all(6 + 4 <= r["prompt_len"] <= 6 + 16 for r in run["requests"])
+    assert sorted(r["copy"] for r in run["requests"]) == [0, 0, 1, 1]
 
 
 def test_draws_are_seeded_and_arrivals_follow_the_process(bench):
