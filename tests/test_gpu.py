@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import generate, metric_sum, pages_at_rest, start_cluster, stop_cluster
+from kv_transfer import nixl_installed
 
 from pdserve.attention import create_backend, resolve_backend
 from pdserve.config import EngineConfig
@@ -586,19 +587,28 @@ def test_cluster_with_cuda_ipc_matches_single_process(decode_device, tiny_runner
         cluster.stop()
 
 
-def test_up_with_prefill_and_decode_on_their_own_gpus(capfd):
+@pytest.mark.parametrize("engine", ["auto", "nixl"])
+def test_up_with_prefill_and_decode_on_their_own_gpus(engine, capfd):
     """The deployment the project exists for, started as a user starts it: `pdserve up` with
-    prefill on cuda:0 and decode on cuda:1, default flags (CUDA graphs captured on cuda:1)."""
+    prefill on cuda:0 and decode on cuda:1, default flags (CUDA graphs captured on cuda:1); and
+    the same with NIXL moving the pages from one GPU's memory into the other's (through UCX, as
+    between hosts)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs a second GPU")
+    if engine == "nixl" and not nixl_installed():
+        pytest.skip("needs NIXL")
     cluster = start_cluster(["--model", "small", "--page-size", "16", "--num-pages", "4096",
-                             "--prefill-devices", "cuda:0", "--decode-devices", "cuda:1"])
+                             "--prefill-devices", "cuda:0", "--decode-devices", "cuda:1",
+                             "--kv-transfer", engine])
     reference = ModelRunner(EngineConfig(model="small", page_size=16, num_pages=1024,
                                          attention_backend="torch"), "prefill")
     try:
         decode = cluster.worker_info("decode")
         assert decode.attention_backend == "fi" and decode.device == "cuda:1"
-        assert cluster.worker_info("prefill").device == "cuda:0"
+        prefill = cluster.worker_info("prefill")
+        assert prefill.device == "cuda:0"
+        if engine == "nixl":
+            assert list(prefill.kv_transfer_engines) == ["nixl"]
         _assert_greedy_like(cluster, reference, (5, 300), seed=8)
     finally:
         stop_cluster(cluster)
