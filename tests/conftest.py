@@ -206,6 +206,19 @@ def generate(stub: generate_pb2_grpc.GenerationServiceStub, timeout: float = 60,
     return ids, "".join(r.text for r in responses), responses[-1].finish_reason, responses
 
 
+def register_small_moe() -> str:
+    """A preset for the GPU tests: ``small``'s attention (head_dim 128: FA3, FlashInfer and
+    graphs) with 8 experts of 256; its name."""
+    import dataclasses
+
+    from pdserve.models.presets import PRESETS
+
+    PRESETS.setdefault("small-moe", dataclasses.replace(
+        PRESETS["small"], name="small-moe", family="qwen3_moe", num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=256, norm_topk_prob=True))
+    return "small-moe"
+
+
 def gpu_available() -> bool:
     return torch.cuda.is_available()
 

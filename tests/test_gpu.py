@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import generate, metric_sum, pages_at_rest, start_cluster, stop_cluster
+from conftest import (generate, metric_sum, pages_at_rest, register_small_moe, start_cluster,
+                      stop_cluster)
 from kv_transfer import nixl_installed
 
 from pdserve.attention import create_backend, resolve_backend
@@ -280,11 +281,14 @@ def assert_graph_step_matches_eager(runner: ModelRunner, lengths: tuple[int, ...
     assert diff < tolerance, diff
 
 
-@pytest.mark.parametrize("model", ["small", "qwen3-0.6b"])
+@pytest.mark.parametrize("model", ["small", "qwen3-0.6b", "small-moe"])
 def test_prompt_step_graphs_match_eager_steps(model):
     """Prompt steps replayed in piecewise CUDA graphs give the eager step's logits and K/V to
     bf16 rounding: one prompt, several in one step, prompts extending a cached prefix; each
-    layer's K/V is announced once, in order; a step over the largest bucket runs eagerly."""
+    layer's K/V is announced once, in order; a step over the largest bucket runs eagerly. The
+    mixture-of-experts model's fused experts (routing, sort, grouped GEMMs) are captured too."""
+    if model == "small-moe":
+        register_small_moe()
     runner = ModelRunner(EngineConfig(model=model, page_size=16, num_pages=1024,
                                       prefill_graph_max_tokens=512), "prefill")
     graphs = runner.prefill_graphs

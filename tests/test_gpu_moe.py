@@ -3,11 +3,11 @@ PyTorch statement, and a mixture-of-experts model with fused experts against the
 eagerly and inside decode's CUDA graphs."""
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
 import torch
+from conftest import register_small_moe
 from test_moe_align import _chosen
 
 from pdserve.config import EngineConfig
@@ -15,7 +15,6 @@ from pdserve.engine.batch import SeqInput
 from pdserve.engine.runner import ModelRunner
 from pdserve.models.moe_align import grouped_gemm_reference, sort_by_expert
 from pdserve.models.ops import TorchOps
-from pdserve.models.presets import PRESETS
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -41,10 +40,7 @@ def test_grouped_gemm_kernel_matches_its_torch_statement(tokens, experts, top_k)
 
 
 def _moe_runner() -> ModelRunner:
-    """``small``'s attention (head_dim 128: FlashInfer and graphs) with 8 experts of 256."""
-    PRESETS.setdefault("small-moe", dataclasses.replace(
-        PRESETS["small"], name="small-moe", family="qwen3_moe", num_experts=8,
-        num_experts_per_tok=2, moe_intermediate_size=256, norm_topk_prob=True))
+    register_small_moe()
     return ModelRunner(EngineConfig(model="small-moe", page_size=16, num_pages=256,
                                     cuda_graph_max_bs=8), "decode")
 

@@ -42,8 +42,9 @@ def why_not_captured(model: CausalLM) -> str:
     """Why ``model``'s prompt steps cannot run in piecewise graphs; "" if they can."""
     if model.tp is not None:
         return "tensor parallelism"
-    if any(model.config.is_moe_layer(i) for i in range(model.config.num_layers)):
-        return "mixture-of-experts layers"
+    if (any(model.config.is_moe_layer(i) for i in range(model.config.num_layers))
+            and not model.ops.has_fused_experts):
+        return "mixture-of-experts layers without the fused experts (their loop syncs the host)"
     if not model.fuse_rope_kv:
         return "no fused RoPE + K/V store kernel (FP8 KV cache, or turned off)"
     return ""
