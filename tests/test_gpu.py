@@ -313,7 +313,10 @@ def test_prompt_step_graphs_match_eager_steps(model):
         diff = (graph_logits - eager_logits).abs().max() / eager_logits.abs().max()
         assert diff < 3e-2, (lengths, diff)
         for a, b in zip(graph_kv, eager_kv):
-            assert (a - b).abs().max() <= 6e-2 * b.abs().max(), lengths
+            if model == "small-moe":   # a bf16 near-tie may route one token elsewhere
+                assert (a - b).norm() <= 3e-2 * b.norm(), lengths
+            else:
+                assert (a - b).abs().max() <= 6e-2 * b.abs().max(), lengths
     too_long = [SeqInput([1] * 600, 0, runner.pool.allocator.alloc(38))]
     assert not graphs.can_run(ForwardBatch.build(too_long, 16, CUDA, step_bucket(600)))
     assert runner.forward(too_long).isfinite().all()
@@ -609,11 +612,11 @@ def test_up_with_prefill_and_decode_on_their_own_gpus(engine, capfd):
     try:
         decode = cluster.worker_info("decode")
         assert decode.attention_backend == "fi" and decode.device == "cuda:1"
-        prefill = cluster.worker_info("prefill")
-        assert prefill.device == "cuda:0"
-        if engine == "nixl":
-            assert list(prefill.kv_transfer_engines) == ["nixl"]
+        assert cluster.worker_info("prefill").device == "cuda:0"
         _assert_greedy_like(cluster, reference, (5, 300), seed=8)
+        prefill = cluster.worker_info("prefill")   # the engines its hand-offs have used
+        assert list(prefill.kv_transfer_engines) == ["nixl" if engine == "nixl" else "cuda_ipc"]
+        assert pages_at_rest(prefill)
     finally:
         stop_cluster(cluster)
     _assert_no_ipc_mapping_left(capfd)
