@@ -118,19 +118,39 @@ def _memory(pool: KVPool) -> tuple[str, int]:
     return ("VRAM", device.index or 0) if device.type == "cuda" else ("DRAM", 0)
 
 
-def page_descriptors(pool: KVPool, page_ids: list[int], base: int, num_pages: int,
-                     device_id: int, layers: range | None = None) -> np.ndarray:
-    """[2 * len(layers) * len(page_ids), 3] (address, bytes, device) of the pages (all layers
-    by default) in a pool laid out like ``pool`` that starts at ``base`` and holds
-    ``num_pages`` pages."""
+def page_runs(src_pages: list[int], dst_pages: list[int]) -> tuple[np.ndarray, ...]:
+    """(source starts, destination starts, lengths) of the runs of pages whose ids go up, or
+    down, by one on both sides together (the allocator hands pages out counting down): one
+    descriptor per run and plane instead of one per page, each of which costs a copy."""
+    runs: list[tuple[int, int, int]] = []
+    i, n = 0, len(src_pages)
+    while i < n:
+        j = i + 1   # the run is [i, j)
+        step = src_pages[j] - src_pages[i] if j < n else 0
+        if step in (1, -1):
+            while (j < n and src_pages[j] - src_pages[j - 1] == step
+                   and dst_pages[j] - dst_pages[j - 1] == step):
+                j += 1
+        low = i if step != -1 or j == i + 1 else j - 1   # the run's lowest page on both sides
+        runs.append((src_pages[low], dst_pages[low], j - i))
+        i = j
+    table = np.asarray(runs, dtype=np.uint64).reshape(-1, 3)
+    return table[:, 0].copy(), table[:, 1].copy(), table[:, 2].copy()
+
+
+def page_descriptors(pool: KVPool, starts: np.ndarray, lengths: np.ndarray, base: int,
+                     num_pages: int, device_id: int, layers: range | None = None) -> np.ndarray:
+    """[2 * len(layers) * len(starts), 3] (address, bytes, device) of the runs of ``lengths``
+    pages from ``starts`` (all layers by default) in a pool laid out like ``pool`` that starts
+    at ``base`` and holds ``num_pages`` pages."""
     plane_bytes = pool.bytes_per_page // (2 * pool.layout.num_layers)  # one page of one K or V
     layers = layers if layers is not None else range(pool.layout.num_layers)
     planes = np.arange(2 * layers.start, 2 * layers.stop, dtype=np.uint64)[:, None]
-    pages = np.asarray(page_ids, dtype=np.uint64)[None, :]
-    addresses = (base + (planes * num_pages + pages) * plane_bytes).ravel()
+    addresses = (base + (planes * num_pages + starts[None, :]) * plane_bytes).ravel()
     descriptors = np.empty((addresses.size, 3), dtype=np.uint64)
     descriptors[:, 0] = addresses
-    descriptors[:, 1] = plane_bytes
+    descriptors[:, 1] = np.broadcast_to(lengths[None, :] * plane_bytes,
+                                        (planes.shape[0], lengths.size)).ravel()
     descriptors[:, 2] = device_id
     return descriptors
 
@@ -172,7 +192,7 @@ class _NixlWrite(PageWrite):
         super().__init__(sender.pool.layout.num_layers)
         self.sender = sender
         self.remote = remote
-        self.src_pages, self.dst_pages = src_pages, dst_pages
+        self.src_starts, self.dst_starts, self.lengths = page_runs(src_pages, dst_pages)
         self.futures: list[Future] = []
 
     def _send(self, layer: int) -> None:
@@ -220,11 +240,12 @@ class NixlSender(LayerwiseSender):
         memory, device_id = _memory(self.pool)
         layers = range(layer, layer + 1)
         local = self.agent.get_xfer_descs(
-            page_descriptors(self.pool, write.src_pages, self.pool.tensor.data_ptr(),
-                             self.pool.num_pages, device_id, layers), memory)
+            page_descriptors(self.pool, write.src_starts, write.lengths,
+                             self.pool.tensor.data_ptr(), self.pool.num_pages, device_id,
+                             layers), memory)
         dest = self.agent.get_xfer_descs(
-            page_descriptors(self.pool, write.dst_pages, remote.base, remote.num_pages,
-                             remote.device, layers), remote.memory)
+            page_descriptors(self.pool, write.dst_starts, write.lengths, remote.base,
+                             remote.num_pages, remote.device, layers), remote.memory)
         handle = self.agent.initialize_xfer("WRITE", local, dest, remote.name, b"")
         try:
             state = self.agent.transfer(handle)

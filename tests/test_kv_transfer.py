@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 import torch
 from conftest import INTERNAL_METADATA, free_port, generate, start_roles
@@ -122,8 +123,33 @@ def test_cluster_with_kv_transfer_on_its_own_port(tiny_runner):
         cluster.stop()
 
 
+def test_nixl_descriptors_cover_runs_of_pages_once():
+    """Pages whose ids go up by one on both sides are one descriptor per plane; the runs'
+    descriptors cover exactly the bytes of the pages' own."""
+    from kv_transfer.nixl_engine import page_descriptors, page_runs
+
+    src = [3, 4, 5, 6, 20, 21, 9, 10, 11, 30, 29, 28, 27, 8]
+    dst = [40, 41, 42, 43, 44, 45, 7, 8, 12, 60, 59, 58, 2, 1]
+    starts_src, starts_dst, lengths = page_runs(src, dst)
+    assert (starts_src.tolist(), starts_dst.tolist(), lengths.tolist()) == (
+        [3, 20, 9, 11, 28, 27, 8], [40, 44, 7, 12, 58, 2, 1], [4, 2, 2, 1, 3, 1, 1])
+    pool = _pool()
+    for pages, starts, base in ((src, starts_src, 1000), (dst, starts_dst, 9000)):
+        runs = page_descriptors(pool, starts, lengths, base, 64, 0, range(1, 3))
+        one = np.ones(len(pages), dtype=np.uint64)
+        pages_ = page_descriptors(pool, np.asarray(pages, dtype=np.uint64), one, base, 64, 0,
+                                  range(1, 3))
+        assert runs.shape == (2 * 2 * 7, 3) and pages_.shape == (2 * 2 * 14, 3)
+
+        def spans(d: np.ndarray) -> list[int]:
+            return sorted(b for a, n, _ in d.tolist() for b in range(a, a + n))
+        assert spans(runs) == spans(pages_)
+    assert [a.size for a in page_runs([], [])] == [0, 0, 0]
+
+
 @needs_nixl
-def test_nixl_engine_moves_random_pages_bit_exactly():
+@pytest.mark.parametrize("contiguous", [False, True])
+def test_nixl_engine_moves_random_pages_bit_exactly(contiguous):
     async def scenario():
         src_pool, dst_pool = _pool(num_pages=48), _pool(num_pages=80)  # different page counts
         src_pool.tensor.copy_(torch.randn(src_pool.tensor.shape).to(src_pool.tensor.dtype))
@@ -132,6 +158,9 @@ def test_nixl_engine_moves_random_pages_bit_exactly():
             res = await table.reserve("r1", 37, 8)
             dst_pages = res.pages[:res.prompt_pages]
             src_pages = random.Random(7).sample(range(1, 48), len(dst_pages))
+            if contiguous:   # runs of pages on both sides, moved a run at a time
+                assert dst_pages == list(range(dst_pages[0], dst_pages[0] - len(dst_pages), -1))
+                src_pages = [*range(40, 40 - len(dst_pages) + 3, -1), *src_pages[-3:]]
             assert await _send(src_pool, server, src_pages, dst_pages, "r1", 37) == "nixl"
             assert torch.equal(dst_pool.read_pages(dst_pages), src_pool.read_pages(src_pages))
             untouched = [p for p in range(1, 80) if p not in dst_pages]
