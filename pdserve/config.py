@@ -79,6 +79,11 @@ class EngineConfig(ModelSource):
     tensor_parallel_size: int = setting(1, "ranks that split each layer (one process each, "
                                         "this one rank 0; on GPUs rank r of a worker on "
                                         "cuda:N runs on cuda:N+r, NCCL between them)")
+    all_reduce: str = setting("nccl", "how tensor-parallel ranks on GPUs sum the layers' "
+                              "partial results: nccl, or symm_mem (torch's symmetric memory: "
+                              "one kernel on each rank reads the others' buffers over NVLink; "
+                              "for bfloat16 sums up to 8 MiB, such as decode steps; the others "
+                              "stay on NCCL)", choices=("nccl", "symm_mem"))
     torch_threads: int = setting(0, "CPU threads for torch (0: torch's default)")
     disable_cuda_graph: bool = setting(False, "decode eagerly instead of replaying CUDA graphs")
     cuda_graph_max_bs: int = setting(256, "largest decode batch captured in a CUDA graph")

@@ -59,6 +59,9 @@ def check_tensor_parallel(config: EngineConfig) -> None:
     size = config.tensor_parallel_size
     if size < 1:
         raise ConfigError(f"--tensor-parallel-size {size}: give a number of ranks, 1 or more")
+    if size > 1 and config.all_reduce == "symm_mem" and config.device == "cpu":
+        raise ConfigError("--all-reduce symm_mem: ranks on the CPU sum over gloo; symm_mem "
+                          "needs GPUs")
     if size == 1 or config.device == "cpu":
         return
     import torch

@@ -46,6 +46,8 @@ def _one_line_error(result: subprocess.CompletedProcess, *words: str) -> None:
     (["--prefill", "1", "--prefill-devices", "cpu,cpu"], ["--prefill 1", "no worker"]),
     (["--chunk-size", "-1"], ["--chunk-size -1", "0 (auto)"]),
     (["--stream-interval", "0"], ["--stream-interval 0", "1 or more"]),
+    (["--device", "cpu", "--tensor-parallel-size", "2", "--all-reduce", "symm_mem"],
+     ["--all-reduce symm_mem", "needs GPUs"]),
 ])
 def test_up_reports_a_mistake_in_one_line(flags, words):
     _one_line_error(_pdserve("up", "--port", str(free_port()), *flags), *words)

@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 import torch
-from conftest import pages_at_rest, start_cluster, start_roles, stop_cluster
+from conftest import free_port, pages_at_rest, start_cluster, start_roles, stop_cluster
 from test_gpu import _assert_greedy_like
 from test_tensor_parallel_serving import _children
 
@@ -36,10 +36,11 @@ def _graph_steps(metrics_url: str) -> float:
         r'^pdserve_decode_steps_total{[^}]*mode="cuda_graph"[^}]*} (\S+)$', text, re.M))
 
 
-def test_up_with_two_ranks_a_worker_matches_the_torch_backend(reference):
+@pytest.mark.parametrize("all_reduce", ["nccl", "symm_mem"])
+def test_up_with_two_ranks_a_worker_matches_the_torch_backend(all_reduce, reference):
     """`up --tensor-parallel-size 2`: both roles on cuda:0 and cuda:1, decode replaying its
-    graphs with the all-reduces inside."""
-    cluster = start_cluster([*SMALL, "--tensor-parallel-size", "2"])
+    graphs with the all-reduces inside (NCCL's, or symmetric memory's for decode's sums)."""
+    cluster = start_cluster([*SMALL, "--tensor-parallel-size", "2", "--all-reduce", all_reduce])
     try:
         assert cluster.worker_info("decode").attention_backend == "fi"
         _assert_greedy_like(cluster, reference, (3, 40, 300, 1000), seed=5)
@@ -83,3 +84,45 @@ def test_a_dead_rank_on_a_gpu_ends_its_worker(reference):
         _assert_greedy_like(cluster, reference, (5, 300), seed=4)
     finally:
         cluster.stop()
+
+
+def _symm_mem_rank(rank: int, port: int, results: dict) -> None:
+    import torch.distributed as dist
+
+    from pdserve.parallel.symm_mem import SymmMemAllReduce
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, device_id=torch.device("cuda", rank))
+    group = dist.group.WORLD
+    fast = SymmMemAllReduce(group, torch.device("cuda", rank))
+    out = {}
+    for rows in (1, 7, 64, 256):
+        x = torch.randn(rows, 4096, dtype=torch.bfloat16, device="cuda",
+                        generator=torch.Generator("cuda").manual_seed(rows + 100 * rank))
+        want = x.clone()
+        dist.all_reduce(want, group=group)
+        eager = fast(x.clone())
+        staged = x.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fast(staged)
+        staged.copy_(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        out[rows] = (torch.equal(eager, want), torch.equal(staged, want))
+    assert not fast.fits(torch.zeros(fast.capacity + 1, dtype=torch.bfloat16, device="cuda"))
+    results[rank] = out
+    dist.destroy_process_group()
+
+
+def test_symmetric_memory_sums_equal_nccls_eagerly_and_in_a_graph():
+    """Two ranks' [rows, 4096] bf16 sums through SymmMemAllReduce equal NCCL's bit for bit
+    (two addends: one rounding either way), run eagerly and replayed from a CUDA graph."""
+    import torch.multiprocessing as mp
+
+    manager = mp.Manager()
+    results = manager.dict()
+    mp.spawn(_symm_mem_rank, args=(free_port(), results), nprocs=2)
+    for rank in (0, 1):
+        assert all(ok == (True, True) for ok in results[rank].values()), dict(results)

@@ -49,6 +49,7 @@ from pdserve.engine.runner import ModelRunner, StepResult, resolve_device
 from pdserve.engine.sampling import SampleRow
 from pdserve.errors import ConfigError
 from pdserve.kvcache.pool import KVPool
+from pdserve.parallel.symm_mem import symm_mem_all_reduce
 from pdserve.parallel.tensor import HeadSplit, TPGroup
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _init(rank: int, size: int, port: int, device: torch.device) -> TPGroup:
+def _init(rank: int, size: int, port: int, device: torch.device, all_reduce: str) -> TPGroup:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -87,7 +88,8 @@ def _init(rank: int, size: int, port: int, device: torch.device) -> TPGroup:
     # NCCL connects at a group's first collective, which no CUDA graph capture may hold.
     dist.all_reduce(torch.zeros(1, device=device), group=group)
     torch.cuda.synchronize(device)
-    return TPGroup(rank, size, group, host)
+    fast_sum = symm_mem_all_reduce(group, device) if all_reduce == "symm_mem" else None
+    return TPGroup(rank, size, group, host, fast_sum)
 
 
 def rank_devices(config: EngineConfig) -> list[str]:
@@ -140,7 +142,7 @@ class RankedRunner:
         watch = threading.Thread(target=self._watch_ranks, name="rank-watch", daemon=True)
         if devices[0].startswith("cuda"):   # NCCL waits for a dead peer even while starting
             watch.start()
-        self.tp = self._join(size, port, torch.device(devices[0]))
+        self.tp = self._join(size, port, torch.device(devices[0]), config.all_reduce)
         try:   # its first collectives wait for the other ranks' models
             self.local = ModelRunner(dataclasses.replace(config, device=devices[0]), role,
                                      step_tokens, min_pool_tokens, tp=self.tp)
@@ -184,14 +186,14 @@ class RankedRunner:
                 logging.shutdown()
                 os._exit(1)
 
-    def _join(self, size: int, port: int, device: torch.device) -> TPGroup:
+    def _join(self, size: int, port: int, device: torch.device, all_reduce: str) -> TPGroup:
         """Rank 0's place in the group, once every rank has joined; a ConfigError as soon as
         a rank exits instead (its own error is on stderr above)."""
         joined: dict[str, object] = {}
 
         def join() -> None:
             try:
-                joined["tp"] = _init(0, size, port, device)
+                joined["tp"] = _init(0, size, port, device, all_reduce)
             except BaseException as err:  # noqa: BLE001 - raised below
                 joined["error"] = err
 
@@ -427,7 +429,7 @@ def _serve_rank(rank: int, size: int, port: int, parent: int) -> None:
     spec = json.loads(os.environ["PDSERVE_RANK_ARGS"])
     config = EngineConfig(**spec["config"])
     _watch_parent(parent)
-    tp = _init(rank, size, port, resolve_device(config.device))
+    tp = _init(rank, size, port, resolve_device(config.device), config.all_reduce)
     runner = ModelRunner(config, spec["role"], spec["step_tokens"], spec["min_pool_tokens"], tp=tp)
     splits = _head_splits(runner.model_config, size)
     _check_same_pages(tp, runner.pool.tensor.shape[2])

@@ -31,6 +31,8 @@ from torch import nn
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
+    from pdserve.parallel.symm_mem import SymmMemAllReduce
+
 __all__ = ["ColumnParallelLinear", "HeadSplit", "ParallelLMHead", "Part", "RowParallelLinear",
            "Sharded", "TPGroup", "VocabParallelEmbedding", "is_parallel"]
 
@@ -39,12 +41,14 @@ __all__ = ["ColumnParallelLinear", "HeadSplit", "ParallelLMHead", "Part", "RowPa
 class TPGroup:
     """This process's place among the ranks that share each layer, and their process groups:
     ``group`` for the layers' tensors (NCCL on GPUs, gloo on the CPU; None: torch.distributed's
-    default group), ``host_group`` for values on the host (gloo; None: ``group``)."""
+    default group), ``host_group`` for values on the host (gloo; None: ``group``).""" 
 
     rank: int
     size: int
     group: ProcessGroup | None = None
     host_group: ProcessGroup | None = None
+    # ``--all-reduce symm_mem``: sums that fit it (parallel/symm_mem.py), the others over ``group``
+    fast_sum: SymmMemAllReduce | None = None
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -52,6 +56,8 @@ class TPGroup:
 
     def all_reduce(self, x: torch.Tensor, largest: bool = False) -> torch.Tensor:
         """The sum of every rank's ``x`` (in place); with ``largest``, the elementwise max."""
+        if not largest and self.fast_sum is not None and self.fast_sum.fits(x):
+            return self.fast_sum(x)
         import torch.distributed as dist
 
         dist.all_reduce(x, op=dist.ReduceOp.MAX if largest else dist.ReduceOp.SUM,
