@@ -3,7 +3,9 @@
 Every rank holds one buffer that all ranks have mapped (``symm_mem.empty`` + ``rendezvous``).
 A sum copies the rank's tensor into its buffer, then one kernel on each rank reads every rank's
 buffer over NVLink and writes the total into the tensor (``one_shot_all_reduce_out``, which
-waits for the peers' data first and for their reads after). It is one launch, captured in
+waits for the peers' data first). Successive sums alternate between two halves of the buffer:
+a rank can only overwrite a half once every peer has begun the sum after the one that read it,
+whatever the kernel does at its end. It is one copy and one launch, captured in
 decode's CUDA graphs like NCCL's, without NCCL's protocol steps: what small sums (a decode
 step's [batch, hidden]) spend most of their time on. NVLink multicast is not used.
 
@@ -35,8 +37,9 @@ class SymmMemAllReduce:
 
         self.group_name = group.group_name   # type: ignore[attr-defined]
         self.capacity = max_bytes // self.dtype.itemsize
-        self.buffer = symm_mem.empty(self.capacity, dtype=self.dtype, device=device)
+        self.buffer = symm_mem.empty(2 * self.capacity, dtype=self.dtype, device=device)
         symm_mem.rendezvous(self.buffer, self.group_name)
+        self.sums = 0   # every rank makes the same sums in the same order: the same halves
         # The op's own set-up happens on its first call, which no graph capture may hold.
         self(torch.zeros(16, dtype=self.dtype, device=device))
         torch.cuda.synchronize(device)
@@ -47,7 +50,9 @@ class SymmMemAllReduce:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's ``x``, in place."""
         flat = x.view(-1)
-        staged = self.buffer[:flat.numel()]
+        start = (self.sums % 2) * self.capacity
+        self.sums += 1
+        staged = self.buffer[start:start + flat.numel()]
         staged.copy_(flat)
         torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group_name, flat)
         return x
