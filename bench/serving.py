@@ -56,6 +56,11 @@ seconds per second of the run); goodput (requests/s meeting both --slo-ttft-ms a
 unbounded connector unless --max-connections; gRPC: --grpc-channels channels); requests beyond
 --max-concurrency in flight wait at the client (their wait counts in send_lag_ms, not TTFT).
 
+--compare A.json --compare B.json sends nothing: it sets the targets of runs made apart (a peer
+and pdserve that cannot hold the GPUs at once), saved with --save-requests over the same rates,
+side by side as one command's targets would be, each run's goodput recounted from its requests
+under this command's --slo-ttft-ms and --slo-tpot-ms.
+
 The JSON (--out): `config` (the flags, and token_id_range), `targets` ([{label, api, address,
 model, endpoint, warmup, runs: [one summary a rate, with every request's record under
 `requests` given --save-requests]}]) and, with several targets, `comparison` ({baseline,
@@ -71,6 +76,8 @@ rates: [{rate, metrics: {name: {label: value}}, ratios: {label: {name: first / l
         --label mini-sglang --endpoint chat --model /tmp/q06   # mini-sglang: chat only
     python bench/serving.py --base-url http://127.0.0.1:30000,http://127.0.0.1:30001 \\
         --label peer-x2 --rates 20,40   # two copies of a peer, one per GPU, in turn
+    python bench/serving.py --compare peer.json --compare pdserve.json --slo-tpot-ms 7 \\
+        --slo-ttft-ms 100   # two earlier runs (--save-requests), goodput at these targets
     python bench/serving.py --grpc 127.0.0.1:50051 --workload multi-turn --turns uniform:2:5 \\
         --think-time-s exponential:2 --rates 1,2 --save-requests
 """
@@ -866,6 +873,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     out.add_argument("--out", default="bench/results/serving.json")
     out.add_argument("--save-requests", action="store_true",
                      help="every request's record in the JSON")
+    out.add_argument("--compare", action="append", default=[], metavar="JSON",
+                     help="send nothing: set the targets of earlier runs' JSON (saved with "
+                          "--save-requests, the same rates) side by side, goodput under "
+                          "--slo-ttft-ms/--slo-tpot-ms recounted from their requests; repeat")
     args = parser.parse_args(argv)
     args.rates = _parsed(parser, "--rates", _rates, args.rates)
     for flag in ("prompt_len", "output_len", "turns", "think_time_s"):
@@ -912,8 +923,51 @@ def name_targets(targets: list[dict[str, Any]]) -> None:
             t["label"] += f"#{seen[t['label']]}"
 
 
+def saved_targets(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The targets of the --compare files, each run's goodput recounted under this command's
+    SLOs from its saved requests (a target's own p99s need them too)."""
+    targets: list[dict[str, Any]] = []
+    for path in args.compare:
+        try:
+            saved = json.loads(Path(path).read_text())["targets"]
+        except (OSError, ValueError, KeyError) as e:
+            raise SystemExit(f"bench/serving.py: --compare {path}: {e!r}") from None
+        for target in saved:
+            for run in target["runs"]:
+                if "requests" not in run:
+                    raise SystemExit(f"bench/serving.py: --compare {path}: target "
+                                     f"{target['label']!r} was run without --save-requests")
+                run["_latencies"] = [(r["ttft_s"], r["tpot_s"]) for r in run["requests"]
+                                     if r["error"] is None and r["ttft_s"] is not None]
+                slo = (args.slo_ttft_ms or math.inf, args.slo_tpot_ms or math.inf)
+                run["goodput_rps"] = (goodput_at(run, *slo)
+                                      if args.slo_ttft_ms or args.slo_tpot_ms else None)
+            targets.append(target)
+    rates = [[run["rate"] for run in t["runs"]] for t in targets]
+    if any(r != rates[0] for r in rates):
+        raise SystemExit(f"bench/serving.py: --compare: the targets ran different rates {rates}")
+    name_targets(targets)
+    return targets
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.compare:
+        rows = saved_targets(args)
+        table(rows)
+        result: dict[str, Any] = {"config": {"compare": args.compare,
+                                             "slo_ttft_ms": args.slo_ttft_ms,
+                                             "slo_tpot_ms": args.slo_tpot_ms},
+                                  "targets": rows}
+        if len(rows) > 1:
+            result["comparison"] = compare(rows)
+        for row in rows:
+            for run in row["runs"]:
+                del run["_latencies"]
+        from common import write_results
+
+        write_results(args.out, "serving", result)
+        return
     targets = args.targets
     name_targets(targets)
     process = None

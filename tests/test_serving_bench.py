@@ -141,6 +141,34 @@ def test_a_shared_prefix_chat_mix_over_two_copies(cluster, tmp_path):
     assert sorted(r["copy"] for r in run["requests"]) == [0, 0, 1, 1]
 
 
+def test_runs_made_apart_compare_with_goodput_recounted(cluster, tmp_path):
+    """--compare sets saved runs side by side without sending anything; each run's goodput is
+    recounted from its requests under the comparing command's SLOs."""
+    saved, _ = _run(tmp_path, ["--base-url", cluster.http_url, "--label", "apart",
+                               "--rates", "8", "--max-token-id", "256", *SMALL])
+    (run,) = saved["targets"][0]["runs"]
+    assert run["completed"] == 4, run["errors"]
+    path = tmp_path / "apart.json"
+    path.write_text(json.dumps(saved))
+    for tpot_ms, met in (("600000", run["completed"]), ("0.000001", 0)):
+        out = tmp_path / "compared.json"
+        done = subprocess.run([sys.executable, str(SCRIPT), "--compare", str(path), "--compare",
+                               str(path), "--slo-ttft-ms", "600000", "--slo-tpot-ms", tpot_ms,
+                               "--out", str(out)], capture_output=True, text=True, timeout=300,
+                              cwd=ROOT)
+        assert done.returncode == 0, done.stderr[-2000:]
+        result = json.loads(out.read_text())
+        assert [t["label"] for t in result["targets"]] == ["apart", "apart#2"]
+        goodput = result["comparison"]["rates"][0]["metrics"]["goodput_rps"]
+        want = round(run["request_throughput_rps"] * met / run["completed"], 3)
+        assert goodput == {"apart": want, "apart#2": want}
+    del run["requests"]
+    path.write_text(json.dumps(saved))
+    done = subprocess.run([sys.executable, str(SCRIPT), "--compare", str(path)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 1 and "without --save-requests" in done.stderr
+
+
 def test_draws_are_seeded_and_arrivals_follow_the_process(bench):
     args = bench.parse_args(["--num-requests", "9", "--workload", "shared-prefix",
                              "--prefix-fraction", "1", "--prompt-len", "lognormal:20:0.5:40"])
