@@ -57,6 +57,41 @@ def _grouped_gemm(a, w, c, scale, w_scale, sorted_ids, block_expert, assignments
 
 
 @triton.jit
+def _padded_offsets(counts, BLOCK_M: tl.constexpr):
+    """Each expert's first and past-the-end rows, its assignments padded to whole blocks."""
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    return padded_end - padded, padded_end
+
+
+@triton.jit
+def _blocks_and_padding(padded_end, block_expert, sorted_ids, count, rows,
+                        EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, LANES: tl.constexpr):
+    """Each block's expert (-1 past the last expert's blocks), and every row set to ``count``
+    (the padding: rows no assignment fills keep it)."""
+    lane = tl.arange(0, LANES)
+    for first in range(0, rows // BLOCK_M, LANES):
+        blocks = first + lane
+        owner = tl.sum((padded_end[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32),
+                       axis=1)
+        tl.store(block_expert + blocks, tl.where(owner < EXPERTS, owner, -1),
+                 mask=blocks * BLOCK_M < rows)
+    for start in range(0, rows, LANES):
+        tl.store(sorted_ids + start + lane, count, mask=start + lane < rows)
+
+
+@triton.jit
+def _rows_in_chunk(ids, lane, first, experts):
+    """Each of a chunk's assignments' row: ``first`` (per expert) for its expert plus its rank
+    among the chunk's earlier assignments to it; and which expert each chose (one-hot)."""
+    mine = ids[:, None] == experts[None, :]
+    earlier = (ids[:, None] == ids[None, :]) & (lane[None, :] < lane[:, None])
+    row = (tl.sum(tl.where(mine, first[None, :], 0), axis=1)
+           + tl.sum(earlier.to(tl.int32), axis=1))
+    return row, mine
+
+
+@triton.jit
 def _sort_small(chosen, sorted_ids, block_expert, count, rows,
                 EXPERTS: tl.constexpr, EXPERTS_P: tl.constexpr, BLOCK_M: tl.constexpr,
                 CHUNK: tl.constexpr):
@@ -68,26 +103,15 @@ def _sort_small(chosen, sorted_ids, block_expert, count, rows,
     for start in range(0, count, CHUNK):
         ids = tl.load(chosen + start + lane, mask=start + lane < count, other=EXPERTS_P)
         counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    padded_end = tl.cumsum(padded, axis=0)
-    padded_start = padded_end - padded
-    for first in range(0, rows // BLOCK_M, CHUNK):
-        blocks = first + lane
-        owner = tl.sum((padded_end[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32),
-                       axis=1)
-        tl.store(block_expert + blocks, tl.where(owner < EXPERTS, owner, -1),
-                 mask=blocks * BLOCK_M < rows)
-    for start in range(0, rows, CHUNK):
-        tl.store(sorted_ids + start + lane, count, mask=start + lane < rows)
+    padded_start, padded_end = _padded_offsets(counts, BLOCK_M)
+    _blocks_and_padding(padded_end, block_expert, sorted_ids, count, rows, EXPERTS, BLOCK_M,
+                        CHUNK)
     tl.debug_barrier()   # the padding is written before any assignment's row
     placed = tl.zeros([EXPERTS_P], tl.int32)
     for start in range(0, count, CHUNK):
         valid = start + lane < count
         ids = tl.load(chosen + start + lane, mask=valid, other=EXPERTS_P)
-        mine = ids[:, None] == experts[None, :]
-        earlier = (ids[:, None] == ids[None, :]) & (lane[None, :] < lane[:, None])
-        row = (tl.sum(tl.where(mine, (padded_start + placed)[None, :], 0), axis=1)
-               + tl.sum(earlier.to(tl.int32), axis=1))
+        row, mine = _rows_in_chunk(ids, lane, padded_start + placed, experts)
         tl.store(sorted_ids + row, (start + lane).to(tl.int32), mask=valid)
         placed += tl.sum(mine.to(tl.int32), axis=0)
 
@@ -114,21 +138,12 @@ def _chunk_offsets(counts, offsets, sorted_ids, block_expert, count, rows, chunk
     totals = tl.zeros([EXPERTS_P], tl.int32)
     for chunk in range(0, chunks):
         totals += tl.load(counts + chunk * EXPERTS_P + experts)
-    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    padded_end = tl.cumsum(padded, axis=0)
-    running = padded_end - padded
+    running, padded_end = _padded_offsets(totals, BLOCK_M)
     for chunk in range(0, chunks):
         tl.store(offsets + chunk * EXPERTS_P + experts, running)
         running += tl.load(counts + chunk * EXPERTS_P + experts)
-    lane = tl.arange(0, LANES)
-    for first in range(0, rows // BLOCK_M, LANES):
-        blocks = first + lane
-        owner = tl.sum((padded_end[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32),
-                       axis=1)
-        tl.store(block_expert + blocks, tl.where(owner < EXPERTS, owner, -1),
-                 mask=blocks * BLOCK_M < rows)
-    for start in range(0, rows, LANES):
-        tl.store(sorted_ids + start + lane, count, mask=start + lane < rows)
+    _blocks_and_padding(padded_end, block_expert, sorted_ids, count, rows, EXPERTS, BLOCK_M,
+                        LANES)
 
 
 @triton.jit
@@ -141,11 +156,7 @@ def _place_chunk(chosen, offsets, sorted_ids, count, EXPERTS_P: tl.constexpr,
     experts = tl.arange(0, EXPERTS_P)
     valid = chunk * CHUNK + lane < count
     ids = tl.load(chosen + chunk * CHUNK + lane, mask=valid, other=EXPERTS_P)
-    first = tl.load(offsets + chunk * EXPERTS_P + experts)
-    mine = ids[:, None] == experts[None, :]
-    earlier = (ids[:, None] == ids[None, :]) & (lane[None, :] < lane[:, None])
-    row = (tl.sum(tl.where(mine, first[None, :], 0), axis=1)
-           + tl.sum(earlier.to(tl.int32), axis=1))
+    row, _ = _rows_in_chunk(ids, lane, tl.load(offsets + chunk * EXPERTS_P + experts), experts)
     tl.store(sorted_ids + row, (chunk * CHUNK + lane).to(tl.int32), mask=valid)
 
 
