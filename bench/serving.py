@@ -955,18 +955,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.compare:
         rows = saved_targets(args)
         table(rows)
-        result: dict[str, Any] = {"config": {"compare": args.compare,
-                                             "slo_ttft_ms": args.slo_ttft_ms,
-                                             "slo_tpot_ms": args.slo_tpot_ms},
-                                  "targets": rows}
-        if len(rows) > 1:
-            result["comparison"] = compare(rows)
-        for row in rows:
-            for run in row["runs"]:
-                del run["_latencies"]
-        from common import write_results
-
-        write_results(args.out, "serving", result)
+        write(args.out, {"compare": args.compare, "slo_ttft_ms": args.slo_ttft_ms,
+                         "slo_tpot_ms": args.slo_tpot_ms}, rows)
         return
     targets = args.targets
     name_targets(targets)
@@ -995,6 +985,11 @@ def main(argv: list[str] | None = None) -> None:
               if k not in ("targets", "base_url", "grpc", "label")}
     config["rates"] = ["inf" if math.isinf(r) else r for r in args.rates]
     config["token_id_range"] = id_range
+    write(args.out, config, rows)
+
+
+def write(path: str, config: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """The JSON: the config, the targets and, with several, their comparison."""
     result = {"config": config, "targets": rows}
     if len(rows) > 1:
         result["comparison"] = compare(rows)
@@ -1003,7 +998,7 @@ def main(argv: list[str] | None = None) -> None:
             del run["_latencies"]
     from common import write_results
 
-    write_results(args.out, "serving", result)
+    write_results(path, "serving", result)
 
 
 if __name__ == "__main__":
