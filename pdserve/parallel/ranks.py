@@ -89,6 +89,10 @@ def _init(rank: int, size: int, port: int, device: torch.device, all_reduce: str
     dist.all_reduce(torch.zeros(1, device=device), group=group)
     torch.cuda.synchronize(device)
     fast_sum = symm_mem_all_reduce(group, device) if all_reduce == "symm_mem" else None
+    if all_reduce == "symm_mem":   # every rank sums the same way, or none would finish
+        agreed = torch.tensor([fast_sum is not None], dtype=torch.int32)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=host)
+        fast_sum = fast_sum if agreed.item() else None
     return TPGroup(rank, size, group, host, fast_sum)
 
 
