@@ -1,7 +1,7 @@
 """A tensor-parallel sum alone, NCCL against symmetric memory (``--all-reduce``), at decode sizes.
 
 Two ranks (cuda:0 and cuda:1, a process each) sum [rows, hidden] bf16 tensors. Each way is
-timed as decode runs it: 10 sums captured in one CUDA graph, the graph replayed, CUDA events
+timed as decode runs it: 20 sums captured in one CUDA graph, the graph replayed, CUDA events
 around the replays (microseconds a sum). Each way's result is checked against NCCL's eager sum.
 Writes JSON; a row per size:
 
@@ -12,7 +12,6 @@ A llama3-8b decode step at TP 2 takes two sums a layer: 64 a step.
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 from pathlib import Path
 
@@ -20,32 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import write_results  # noqa: E402
-
-SUMS_PER_GRAPH = 10
-
-
-def _time_us(fn, replays: int) -> float:  # noqa: ANN001 - a sum of fixed buffers
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(SUMS_PER_GRAPH):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * SUMS_PER_GRAPH)
-
+from common import free_port, graph_time_ms, write_results  # noqa: E402
 
 def _rank(rank: int, port: int, args: argparse.Namespace, results: dict) -> None:
     import torch.distributed as dist
@@ -71,9 +45,9 @@ def _rank(rank: int, port: int, args: argparse.Namespace, results: dict) -> None
             fast(symm_buf)
 
         row = {"rows": rows, "bytes": x.numel() * x.element_size()}
-        row["nccl_us"] = round(_time_us(nccl, args.replays), 2)
+        row["nccl_us"] = round(graph_time_ms(nccl) * 1e3, 2)
         if fast.fits(x):
-            row["symm_mem_us"] = round(_time_us(symm, args.replays), 2)
+            row["symm_mem_us"] = round(graph_time_ms(symm) * 1e3, 2)
             symm_buf.copy_(x)
             fast(symm_buf)
             torch.cuda.synchronize()
@@ -88,7 +62,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--rows", default="1,8,32,64,128,256,1024")
-    parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--out", default="bench/results/allreduce.json")
     args = parser.parse_args()
     args.rows = [int(r) for r in args.rows.split(",")]
@@ -96,11 +69,8 @@ def main() -> None:
         raise SystemExit("bench/allreduce.py: needs two GPUs")
     import torch.multiprocessing as mp
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     results = mp.Manager().dict()
-    mp.spawn(_rank, args=(port, args, results), nprocs=2)
+    mp.spawn(_rank, args=(free_port(), args, results), nprocs=2)
     for row in results["rows"]:
         print(row)
     write_results(args.out, "allreduce", {"hidden": args.hidden, "rows": list(results["rows"])})

@@ -28,6 +28,22 @@ def cuda_time_ms(fn: Callable[[], Any], iters: int = 20, warmup: int = 3) -> flo
     return start.elapsed_time(end) / iters
 
 
+def graph_time_ms(fn: Callable[[], Any], calls: int = 20) -> float:
+    """GPU milliseconds of one ``fn()``, from a CUDA graph of ``calls`` of them: launched one by
+    one, the host's launches (tens of microseconds for Triton) would be timed instead."""
+    fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return cuda_time_ms(graph.replay, iters=10) / calls
+
+
 def copy_bandwidth_bytes_per_s(size_bytes: int = 4 << 30) -> float:
     """Device-to-device copy, counting bytes read and written."""
     src = torch.empty(size_bytes // 2, dtype=torch.uint8, device="cuda")

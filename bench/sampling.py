@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import copy_bandwidth_bytes_per_s, cuda_time_ms, write_results  # noqa: E402
+from common import copy_bandwidth_bytes_per_s, graph_time_ms, write_results  # noqa: E402
 
 from pdserve.engine.sampling import SamplingTensors  # noqa: E402
 from pdserve.engine.sampling_kernel import (  # noqa: E402
@@ -28,22 +28,6 @@ from pdserve.engine.sampling_kernel import (  # noqa: E402
     split,
 )
 from pdserve.sampling_params import SampleRow, SamplingParams  # noqa: E402
-
-
-def graph_time_ms(fn, calls: int = 20) -> float:
-    """GPU milliseconds of one ``fn()``, from a CUDA graph of ``calls`` of them: launched one by
-    one, Triton's host-side launches (tens of microseconds) would be timed instead."""
-    fn()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return cuda_time_ms(graph.replay, iters=10) / calls
 
 
 def main() -> int:
