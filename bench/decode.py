@@ -100,6 +100,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--unfused-rope-kv", action="store_true",
                         help="RoPE and the K/V store as separate kernels (for comparison)")
+    parser.add_argument("--unfused-fp8-quant", action="store_true",
+                        help="FP8 layers quantize their own input (for comparison)")
     parser.add_argument("--cublas-gemv", action="store_true",
                         help="batch-1 linear layers through cuBLAS, not the Triton GEMV")
     parser.add_argument("--tp-shard", type=int, default=1, metavar="N",
@@ -121,6 +123,7 @@ def main() -> None:
                                       cuda_graph_max_bs=max(sizes),
                                       fused_rope_kv=not args.unfused_rope_kv,
                                       triton_gemv=not args.cublas_gemv,
+                                      fused_fp8_quant=not args.unfused_fp8_quant,
                                       quantization=args.quantization,
                                       kv_cache_dtype=args.kv_cache_dtype), "decode")
     cfg = runner.model_config
@@ -177,6 +180,7 @@ def main() -> None:
         "page_size": args.page_size,
         "attention_backend": runner.backend_name, "layer_kernels": runner.model.ops.name,
         "fused_rope_kv": runner.model.fuse_rope_kv, "triton_gemv": runner.model.use_gemv,
+        "fused_fp8_quant": runner.model.fuse_fp8_quant,
         "weight_bytes": weight_bytes + expert_bytes, "expert_bytes": expert_bytes,
         "copy_bandwidth_bytes_per_s": bandwidth,
         "bandwidth_floor_bs1_ms": round(floor_ms + kv_bytes_per_token * (args.context + 1)

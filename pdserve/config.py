@@ -102,6 +102,10 @@ class EngineConfig(ModelSource):
                                             "tokens replay CUDA graphs of everything but "
                                             "attention, captured at start for each step "
                                             "bucket (prefill workers; 0: eager prompt steps)")
+    fused_fp8_quant: bool = setting(True, "FP8 layers on the rowwise kernel get their input "
+                                    "quantized per token by the RMSNorm or SiLU-and-mul "
+                                    "before them, in the same kernel (on CUDA), not by a "
+                                    "kernel of their own")
     triton_gemv: bool = setting(True, "inside CUDA graphs, batch-1 linear layers as a Triton "
                                 "GEMV (else cuBLAS)")
     overlap_scheduling: bool = setting(True, "prepare and launch step n+1 while step n runs on "

@@ -56,6 +56,47 @@ def test_fp8_kernels_match_their_dequantized_weights(block, kernel, shape):
     assert ((got - want).abs().max() / want.abs().max()) < 2e-2
 
 
+def _within_a_step(got: tuple, want: tuple) -> None:
+    """FP8 rows (values, scales) equal to the reference's but for rounding: scales within
+    1%, each dequantized value within one e4m3 step (1/8 of it) of the reference's."""
+    (values, scales), (ref_values, ref_scales) = got, want
+    torch.testing.assert_close(scales, ref_scales, rtol=1e-2, atol=0)
+    a, b = values.float() * scales, ref_values.float() * ref_scales
+    assert ((a - b).abs() <= b.abs() / 8 + ref_scales * 2 ** -6).all()
+    assert (values.view(torch.uint8) == ref_values.view(torch.uint8)).float().mean() > 0.95
+
+
+@pytest.mark.parametrize("rows, width", [(1, 4096), (64, 4096), (37, 5120), (3, 1000)])
+def test_fused_quantizers_match_the_ops_they_replace(rows, width):
+    from pdserve.models import fp8_quant_kernel
+    from pdserve.models.ops import TorchOps
+
+    reference = TorchOps()
+    x = torch.randn(rows, width, device=CUDA, dtype=torch.bfloat16)
+    residual = torch.randn(rows, width, device=CUDA, dtype=torch.bfloat16) * 4
+    weight = (torch.rand(width, device=CUDA) + 0.5).to(torch.bfloat16)
+    for given in (None, residual):
+        mine = None if given is None else given.clone()
+        got = fp8_quant_kernel.norm_quant(x, mine, weight, 1e-6)
+        want, want_residual = reference.norm_fp8(x, None if given is None else given.clone(),
+                                                 weight, 1e-6)
+        _within_a_step(got, want[:2])
+        if given is not None:
+            assert torch.equal(mine, want_residual)
+    gate_up = torch.randn(rows, 2 * width, device=CUDA, dtype=torch.bfloat16) * 3
+    _within_a_step(fp8_quant_kernel.silu_mul_quant(gate_up),
+                   reference.silu_and_mul_fp8(gate_up)[:2])
+
+
+def test_fused_quantizers_agree_with_each_layer_quantizing_its_input():
+    fused = _decode_runner("qwen3-0.6b", quantization="fp8")
+    unfused = _decode_runner("qwen3-0.6b", quantization="fp8", fused_fp8_quant=False)
+    agreement = _greedy_agreement(fused, unfused)
+    print(f"qwen3-0.6b: fused FP8 quantizers vs a quantizer a layer: top-1 agreement "
+          f"{agreement:.3f}")
+    assert agreement >= 0.95
+
+
 def _decode_runner(model: str, **config) -> ModelRunner:
     return ModelRunner(EngineConfig(model=model, page_size=16, num_pages=512,
                                     cuda_graph_max_bs=8, **config), "decode")

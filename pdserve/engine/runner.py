@@ -117,6 +117,7 @@ class ModelRunner:
         self.model = load_model(local_model(config), config.dtype, self.device, config.seed,
                                 fused_rope_kv=config.fused_rope_kv and not fp8_kv,
                                 triton_gemv=config.triton_gemv,
+                                fused_fp8_quant=config.fused_fp8_quant,
                                 max_model_len=config.max_model_len,
                                 quantization=config.quantization, tp=tp,
                                 fp8_gemm=config.fp8_gemm)

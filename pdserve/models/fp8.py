@@ -132,6 +132,12 @@ class Fp8RowParallelLinear(Fp8Linear):
         return y if self.bias is None else y + self.bias
 
 
+def takes_fp8_rows(layer: nn.Module) -> bool:
+    """Whether ``layer`` may be handed rows quantized by the op before it (fp8_gemm.Fp8Rows):
+    an FP8 layer on the rowwise kernel, which would quantize them per token itself."""
+    return isinstance(layer, Fp8Linear) and layer.kernel == "rowwise"
+
+
 # The layers --quantization fp8 and checkpoints' quantization configs may hold as FP8.
 LINEARS = (nn.Linear, Fp8Linear, ColumnParallelLinear, RowParallelLinear)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import NamedTuple
 
 import torch
 
@@ -36,6 +37,16 @@ MIN_SCALE = 1e-12
 CHECK_TOLERANCE = 0.1
 
 FP8_GEMM_MODES = ("auto", "scaled_mm", "dequantize")
+
+
+class Fp8Rows(NamedTuple):
+    """Activations already quantized per token (by the op before the GEMM:
+    fp8_quant_kernel.py): FP8 ``values`` [M, K], float32 ``scales`` [M, 1], and the 16-bit
+    dtype they stand for (the GEMM's output dtype)."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,9 +78,14 @@ def _sgl_kernel():  # noqa: ANN202
     return sgl_kernel if hasattr(sgl_kernel, "sgl_per_token_quant_fp8") else None
 
 
-def rowwise_mm(x: torch.Tensor, weight: torch.Tensor, scale_n: torch.Tensor,
+def rowwise_mm(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale_n: torch.Tensor,
                bias: torch.Tensor | None) -> torch.Tensor:
-    """``x`` [..., K] times FP8 ``weight`` [N, K] with scales ``scale_n`` [1, N]."""
+    """``x`` [..., K] (or rows quantized already, [M, K]) times FP8 ``weight`` [N, K] with
+    scales ``scale_n`` [1, N], in ``x``'s dtype."""
+    if isinstance(x, Fp8Rows):
+        if x.values.shape[0] == 0:
+            return torch.empty(0, weight.shape[0], dtype=x.dtype, device=weight.device)
+        return _quantized_mm(x.values, x.scales, weight, scale_n, bias, x.dtype)
     sgl = _sgl_kernel() if x.is_cuda else None
 
     def mm(flat: torch.Tensor) -> torch.Tensor:
@@ -78,15 +94,25 @@ def rowwise_mm(x: torch.Tensor, weight: torch.Tensor, scale_n: torch.Tensor,
             quantized = torch.empty_like(flat, dtype=FP8_DTYPE)
             scale_m = torch.empty(flat.shape[0], 1, dtype=torch.float32, device=flat.device)
             sgl.sgl_per_token_quant_fp8(flat, quantized, scale_m)
-            return sgl.fp8_scaled_mm(quantized, weight.t(), scale_m, scale_n.view(-1), x.dtype,
-                                     bias)
-        quantized, scale_m = quantize_rows(flat)
-        if x.is_cuda:
-            return torch._scaled_mm(quantized, weight.t(), scale_a=scale_m, scale_b=scale_n,
-                                    out_dtype=x.dtype, bias=bias)
-        out = (quantized.float() * scale_m) @ (weight.float() * scale_n.t()).t()
-        return (out if bias is None else out + bias).to(x.dtype)
+        else:
+            quantized, scale_m = quantize_rows(flat)
+        return _quantized_mm(quantized, scale_m, weight, scale_n, bias, x.dtype)
     return _over_rows(x, weight.shape[0], mm)
+
+
+def _quantized_mm(quantized: torch.Tensor, scale_m: torch.Tensor, weight: torch.Tensor,
+                  scale_n: torch.Tensor, bias: torch.Tensor | None,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    """FP8 rows [M, K] with their scales [M, 1] times ``weight`` [N, K] with ``scale_n``."""
+    if quantized.is_cuda:
+        sgl = _sgl_kernel()
+        if sgl is not None:
+            return sgl.fp8_scaled_mm(quantized, weight.t(), scale_m, scale_n.view(-1), out_dtype,
+                                     bias)
+        return torch._scaled_mm(quantized, weight.t(), scale_a=scale_m, scale_b=scale_n,
+                                out_dtype=out_dtype, bias=bias)
+    out = (quantized.float() * scale_m) @ (weight.float() * scale_n.t()).t()
+    return (out if bias is None else out + bias).to(out_dtype)
 
 
 def blockwise_mm(x: torch.Tensor, weight: torch.Tensor, block_scales: torch.Tensor,

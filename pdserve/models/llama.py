@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.models.config import ModelConfig
+from pdserve.models.fp8 import takes_fp8_rows
 from pdserve.models.layers import RMSNorm, rope_cos_sin
 from pdserve.models.moe import SparseMoeBlock
 from pdserve.models.ops import TorchOps
@@ -48,6 +49,9 @@ class ForwardContext:
     cos_sin: torch.Tensor
     fuse_rope_kv: bool = False     # RoPE and the K/V store as one kernel (ops.rope_store_kv)
     gemv: bool = False             # one-row linear layers through ops.gemv
+    # The op before a rowwise FP8 layer quantizes its output for it (ops.norm_fp8,
+    # ops.silu_and_mul_fp8): a launch less each, three a dense layer.
+    fp8_rows: bool = False
 
     def linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self.gemv and isinstance(layer, nn.Linear):   # not an FP8 layer (CPU only)
@@ -130,7 +134,10 @@ class MLP(nn.Module):
             self.down_proj = nn.Linear(inter, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return ctx.linear(self.down_proj, ctx.ops.silu_and_mul(ctx.linear(self.gate_up_proj, x)))
+        gate_up = ctx.linear(self.gate_up_proj, x)
+        if ctx.fp8_rows and takes_fp8_rows(self.down_proj):
+            return self.down_proj(ctx.ops.silu_and_mul_fp8(gate_up))
+        return ctx.linear(self.down_proj, ctx.ops.silu_and_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -160,6 +167,8 @@ class DecoderLayer(nn.Module):
     def _norm_in(self, x: torch.Tensor, residual: torch.Tensor | None,
                  ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         norm = self.input_layernorm
+        if ctx.fp8_rows and takes_fp8_rows(self.self_attn.qkv_proj):
+            return ctx.ops.norm_fp8(x, residual, norm.weight, norm.eps)
         if residual is None:
             return ctx.ops.rmsnorm(x, norm.weight, norm.eps), x
         return ctx.ops.add_rmsnorm(x, residual, norm.weight, norm.eps)
@@ -167,6 +176,9 @@ class DecoderLayer(nn.Module):
     def _after_attention(self, h: torch.Tensor, residual: torch.Tensor,
                          ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         norm = self.post_attention_layernorm
+        if ctx.fp8_rows and isinstance(self.mlp, MLP) and takes_fp8_rows(self.mlp.gate_up_proj):
+            rows, residual = ctx.ops.norm_fp8(h, residual, norm.weight, norm.eps)
+            return self.mlp(rows, ctx), residual
         h, residual = ctx.ops.add_rmsnorm(h, residual, norm.weight, norm.eps)
         return self.mlp(h, ctx), residual
 
@@ -215,9 +227,10 @@ class CausalLM(nn.Module):
         self.ops: TorchOps = TorchOps()
         self.fuse_rope_kv = False
         self.use_gemv = False
+        self.fuse_fp8_quant = True   # ForwardContext.fp8_rows
 
     def prepare(self, device: torch.device, ops: TorchOps, fused_rope_kv: bool = True,
-                triton_gemv: bool = True) -> None:
+                triton_gemv: bool = True, fused_fp8_quant: bool = True) -> None:
         """Builds the RoPE table on ``device`` and picks the elementwise kernels."""
         cfg = self.config
         self.cos_sin = rope_cos_sin(cfg.head_dim, cfg.max_model_len, cfg.rope_theta,
@@ -225,6 +238,7 @@ class CausalLM(nn.Module):
         self.ops = ops
         self.fuse_rope_kv = fused_rope_kv and ops.fuses_rope_kv(cfg.head_dim)
         self.use_gemv = triton_gemv and ops.has_gemv
+        self.fuse_fp8_quant = fused_fp8_quant
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend,
                 float_logits: bool = True) -> torch.Tensor:
@@ -240,7 +254,8 @@ class CausalLM(nn.Module):
         tokens = batch.input_ids.shape[0]
         ctx = ForwardContext(batch, attn, self.ops, self.cos_sin,
                              self.fuse_rope_kv and (capturing or tokens >= FUSED_EAGER_MIN_TOKENS),
-                             capturing and self.use_gemv and tokens == 1)
+                             capturing and self.use_gemv and tokens == 1,
+                             self.fuse_fp8_quant)
         x = self.embed_tokens(batch.input_ids)
         residual = None
         for i, layer in enumerate(self.layers):

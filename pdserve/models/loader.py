@@ -37,7 +37,7 @@ def load_model(model: str, dtype: str, device: torch.device, seed: int = 0,
                kernels: bool = True, fused_rope_kv: bool = True,
                triton_gemv: bool = True, max_model_len: int = 0,
                quantization: str = "", tp: TPGroup | None = None,
-               fp8_gemm: str = "auto") -> CausalLM:
+               fp8_gemm: str = "auto", fused_fp8_quant: bool = True) -> CausalLM:
     """The model in ``dtype`` ("auto": the checkpoint's) on ``device``, ready for inference;
     with ``kernels``, its elementwise ops run as CUDA kernels where the device allows;
     ``max_model_len`` (0: the model's own) caps its context; ``quantization`` "fp8" quantizes
@@ -95,7 +95,8 @@ def load_model(model: str, dtype: str, device: torch.device, seed: int = 0,
                     "reference loop (every expert for every token inside CUDA graphs): "
                     "correct, slow", str(torch_dtype).removeprefix("torch."), ops.name,
                     config.num_experts)
-    net.prepare(device, ops, fused_rope_kv=fused_rope_kv, triton_gemv=triton_gemv)
+    net.prepare(device, ops, fused_rope_kv=fused_rope_kv, triton_gemv=triton_gemv,
+                fused_fp8_quant=fused_fp8_quant)
     return net.eval().requires_grad_(False)
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pdserve.models.fp8_gemm import Fp8Rows, quantize_rows
+
 
 class TorchOps:
     """Reference implementations: float32 normalisation, as the checkpoints' own code does."""
@@ -55,6 +57,21 @@ class TorchOps:
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def norm_fp8(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[Fp8Rows, torch.Tensor]:
+        """``rmsnorm(x)`` (``add_rmsnorm`` where ``residual`` is given) quantized per token for
+        an FP8 GEMM, and the residual (``x`` where none was given)."""
+        if residual is None:
+            h, residual = self.rmsnorm(x, weight, eps), x
+        else:
+            h, residual = self.add_rmsnorm(x, residual, weight, eps)
+        return Fp8Rows(*quantize_rows(h.reshape(-1, h.shape[-1])), h.dtype), residual
+
+    def silu_and_mul_fp8(self, x: torch.Tensor) -> Fp8Rows:
+        """``silu_and_mul(x)`` quantized per token for an FP8 GEMM."""
+        h = self.silu_and_mul(x)
+        return Fp8Rows(*quantize_rows(h.reshape(-1, h.shape[-1])), h.dtype)
 
     def rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
              cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,6 +147,22 @@ class CudaOps(TorchOps):
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return self._k.silu_and_mul(x)
+
+    def norm_fp8(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[Fp8Rows, torch.Tensor]:
+        from pdserve.models import fp8_quant_kernel
+
+        if x.shape[-1] > fp8_quant_kernel.MAX_NORM_WIDTH:
+            return super().norm_fp8(x, residual, weight, eps)
+        flat = x.reshape(-1, x.shape[-1])
+        values, scales = fp8_quant_kernel.norm_quant(
+            flat, None if residual is None else residual.view(flat.shape), weight, eps)
+        return Fp8Rows(values, scales, x.dtype), (x if residual is None else residual)
+
+    def silu_and_mul_fp8(self, x: torch.Tensor) -> Fp8Rows:
+        from pdserve.models.fp8_quant_kernel import silu_mul_quant
+
+        return Fp8Rows(*silu_mul_quant(x.reshape(-1, x.shape[-1])), x.dtype)
 
     def fuses_rope_kv(self, head_dim: int) -> bool:
         from pdserve.models import rope_kv_kernel
