@@ -102,6 +102,9 @@ def main() -> None:
                         help="RoPE and the K/V store as separate kernels (for comparison)")
     parser.add_argument("--unfused-fp8-quant", action="store_true",
                         help="FP8 layers quantize their own input (for comparison)")
+    parser.add_argument("--moe-direct-max", type=int, default=-1, metavar="N",
+                        help="mixtures of experts: steps of up to N assignments skip the sort "
+                             "(moe_kernel.DIRECT_MAX_ASSIGNMENTS; 0 never; default its own)")
     parser.add_argument("--cublas-gemv", action="store_true",
                         help="batch-1 linear layers through cuBLAS, not the Triton GEMV")
     parser.add_argument("--tp-shard", type=int, default=1, metavar="N",
@@ -117,6 +120,9 @@ def main() -> None:
     except ValueError as e:
         parser.error(str(e))
     sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if args.moe_direct_max >= 0:   # before the graphs are captured
+        from pdserve.models import moe_kernel
+        moe_kernel.DIRECT_MAX_ASSIGNMENTS = args.moe_direct_max
     pages_per_seq = -(-(args.context + 1) // args.page_size)
     runner = ModelRunner(EngineConfig(model=model, page_size=args.page_size,
                                       num_pages=max(sizes) * pages_per_seq + 64,
@@ -180,7 +186,7 @@ def main() -> None:
         "page_size": args.page_size,
         "attention_backend": runner.backend_name, "layer_kernels": runner.model.ops.name,
         "fused_rope_kv": runner.model.fuse_rope_kv, "triton_gemv": runner.model.use_gemv,
-        "fused_fp8_quant": runner.model.fuse_fp8_quant,
+        "fused_fp8_quant": runner.model.fuse_fp8_quant, "moe_direct_max": args.moe_direct_max,
         "weight_bytes": weight_bytes + expert_bytes, "expert_bytes": expert_bytes,
         "copy_bandwidth_bytes_per_s": bandwidth,
         "bandwidth_floor_bs1_ms": round(floor_ms + kv_bytes_per_token * (args.context + 1)

@@ -138,3 +138,73 @@ def test_one_launch_routing_matches_its_torch_statement(tokens, experts, top_k):
     torch.testing.assert_close(probs.gather(1, picked.long()), want_weights)
     assert (picked.sort(dim=1).values.diff(dim=1) > 0).all()   # k distinct experts
     torch.testing.assert_close(weights, want_weights / want_weights.sum(-1, keepdim=True))
+
+
+def _experts(num: int, hidden: int, inter: int, fp8_cols: int | None, seed: int):
+    """moe.Experts of random weights on the GPU: bf16 (``fp8_cols`` None), or e4m3 with a
+    scale per row (0) or per row and ``fp8_cols`` columns."""
+    from pdserve.models.fp8 import quantize_per_channel
+    from pdserve.models.moe import Experts
+
+    generator = torch.Generator(device=CUDA).manual_seed(seed)
+    experts = Experts(num, hidden, inter).to(CUDA)
+    dense = {name: torch.randn(getattr(experts, name).shape, device=CUDA,
+                               generator=generator) / 30 for name in Experts.WEIGHTS}
+    if fp8_cols is None:
+        for name, values in dense.items():
+            getattr(experts, name).data = values.bfloat16()
+        return experts
+    experts.use_fp8(fp8_cols or None)
+    for name, values in dense.items():
+        e, rows, cols = values.shape
+        block = experts.scale_cols[name]
+        blocks = values.view(e, rows, cols // block, block)
+        if fp8_cols:
+            scale = blocks.abs().amax(dim=-1) / 448.0
+            quantized = (blocks / scale[..., None]).view_as(values).to(torch.float8_e4m3fn)
+        else:
+            quantized, scale = quantize_per_channel(values.view(e * rows, cols))
+            quantized, scale = quantized.view_as(values), scale.view(e, rows, 1)
+        getattr(experts, name).data = quantized
+        getattr(experts, name + "_scale").data = scale.float()
+    return experts
+
+
+def _experts_statement(x, experts, weights, chosen):
+    """Each token's weighted sum over its chosen experts, rounded where the kernels round:
+    each projection's output, the SiLU-and-mul, each weighted expert output."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for t, j in ((t, j) for t in range(chosen.shape[0]) for j in range(chosen.shape[1])):
+        e = int(chosen[t, j])
+        gate, up = (x[t].float() @ experts.weight("gate_up_proj", torch.float32, e).float().t()
+                    ).bfloat16().float().chunk(2)
+        h = (torch.nn.functional.silu(gate) * up).bfloat16().float()
+        y = h @ experts.weight("down_proj", torch.float32, e).float().t() * weights[t, j]
+        out[t] += y.bfloat16().float()
+    return out.bfloat16()
+
+
+@pytest.mark.parametrize("tokens, top_k", [(1, 8), (2, 8), (4, 8), (3, 2), (16, 2)])
+@pytest.mark.parametrize("fp8_cols", [None, 0, 128])
+def test_unsorted_experts_compute_what_the_sorted_ones_do(tokens, top_k, fp8_cols):
+    """Few assignments skip the sort (direct_experts): the sums of the PyTorch statement and
+    of the grouped GEMMs over sorted rows, up to the order of float32 additions."""
+    from pdserve.models import moe_kernel
+
+    experts = _experts(16, 2048, 768, fp8_cols, seed=tokens)
+    generator = torch.Generator(device=CUDA).manual_seed(7)
+    x = torch.randn(tokens, 2048, device=CUDA, generator=generator).bfloat16()
+    weights = torch.rand(tokens, top_k, device=CUDA, generator=generator)
+    chosen = _chosen(tokens, 16, top_k, seed=tokens).to(CUDA).int()
+    direct = moe_kernel.direct_experts(x, experts, weights, chosen)
+    assert direct is not None
+    wants = [_experts_statement(x, experts, weights, chosen)]
+    limit = moe_kernel.DIRECT_MAX_ASSIGNMENTS
+    moe_kernel.DIRECT_MAX_ASSIGNMENTS = 0
+    try:
+        wants.append(moe_kernel.fused_experts(x, experts, weights, chosen,
+                                              TorchOps().silu_and_mul))
+    finally:
+        moe_kernel.DIRECT_MAX_ASSIGNMENTS = limit
+    for want in wants:
+        assert ((direct.float() - want.float()).abs().max() / want.float().abs().max()) < 2e-2

@@ -275,11 +275,135 @@ def grouped_gemm(a: torch.Tensor, weights: torch.Tensor, groups: SortedAssignmen
     return out
 
 
+@triton.jit
+def _row_products(x_row, w_rows, K, w_scales, scale_cols, W_SCALES: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``BLOCK_N`` weight rows (``w_rows`` their starts; FP8 with their scales' starts
+    ``w_scales`` where W_SCALES is 1: one a row, or 2: one a row and ``scale_cols`` columns, a
+    multiple of BLOCK_K) times one activation row, in float32."""
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for start in range(0, K, BLOCK_K):
+        ks = start + tl.arange(0, BLOCK_K)
+        values = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
+        w = tl.load(w_rows[:, None] + ks[None, :], mask=ks[None, :] < K, other=0.0)
+        w = w.to(tl.float32)
+        if W_SCALES == 2:
+            w = w * tl.load(w_scales + start // scale_cols)[:, None]
+        acc += w * values[None, :]
+    out = tl.sum(acc, axis=1)
+    if W_SCALES == 1:
+        out = out * tl.load(w_scales)
+    return out
+
+
+@triton.jit
+def _direct_gate_up(x, w, h, chosen, w_scale, inter, K, top_k, stride_xm, stride_we,
+                    stride_wn, stride_hm, stride_se, stride_sn, scale_cols,
+                    W_SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    assignment = tl.program_id(0)
+    expert = tl.load(chosen + assignment).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(rows, inter - 1)   # a last, partial block recomputes the last row
+    x_row = x + (assignment // top_k).to(tl.int64) * stride_xm
+    gate_rows = w + expert * stride_we + rows.to(tl.int64) * stride_wn
+    gate_scales = w_scale + expert * stride_se + rows * stride_sn
+    gate = _row_products(x_row, gate_rows, K, gate_scales, scale_cols, W_SCALES, BLOCK_N,
+                         BLOCK_K)
+    up = _row_products(x_row, gate_rows + inter * stride_wn, K,
+                       gate_scales + inter * stride_sn, scale_cols, W_SCALES, BLOCK_N,
+                       BLOCK_K)
+    # Rounded as the grouped GEMM's output is, then SiLU-and-mul in float32.
+    gate = gate.to(h.dtype.element_ty).to(tl.float32)
+    up = up.to(h.dtype.element_ty).to(tl.float32)
+    tl.store(h + assignment.to(tl.int64) * stride_hm + rows,
+             (gate / (1.0 + tl.exp(-gate)) * up).to(h.dtype.element_ty))
+
+
+@triton.jit
+def _direct_down_sum(h, w, out, chosen, weights, hidden, inter, stride_hm, stride_we,
+                     stride_wn, stride_om, w_scale, stride_se, stride_sn, scale_cols,
+                     TOP_K: tl.constexpr, W_SCALES: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(rows, hidden - 1)
+    total = tl.zeros([BLOCK_N], tl.float32)
+    for slot in range(TOP_K):
+        assignment = token * TOP_K + slot
+        expert = tl.load(chosen + assignment).to(tl.int64)
+        y = _row_products(h + assignment * stride_hm,
+                          w + expert * stride_we + rows.to(tl.int64) * stride_wn, inter,
+                          w_scale + expert * stride_se + rows * stride_sn, scale_cols,
+                          W_SCALES, BLOCK_N, BLOCK_K)
+        # Weighted and rounded as the grouped GEMM's output, summed in float32 as
+        # fused_experts sums them.
+        y = y * tl.load(weights + assignment).to(tl.float32)
+        total += y.to(out.dtype.element_ty).to(tl.float32)
+    tl.store(out + token * stride_om + rows, total.to(out.dtype.element_ty))
+
+
+# Assignments (tokens times top-k) up to this many skip the sort: each reads its expert's
+# weights straight from ``chosen``, SiLU-and-mul and the weighted sum fused in (two launches
+# instead of six, no padded rows): decode at small batches.
+DIRECT_MAX_ASSIGNMENTS = 32
+
+
+def _direct_plan(experts: torch.nn.Module, name: str) -> tuple[int, int, int] | None:
+    """(W_SCALES, BLOCK_N, BLOCK_K) of the direct kernels for weight ``name``: whole rows of up
+    to 2,048 columns a step, as gemv_kernel's; FP8 blocks of columns one a step. None for a
+    blocking they do not take."""
+    k = getattr(experts, name).shape[2]
+    block_n, block_k = (2 if k > 1024 else 4), min(2048, triton.next_power_of_2(k))
+    if not experts.quantized:
+        return 0, block_n, block_k
+    cols = experts.scale_cols[name]
+    if cols >= k:
+        return 1, block_n, block_k
+    if cols & (cols - 1) or cols < 16:
+        return None
+    return 2, block_n, min(block_k, cols)
+
+
+def direct_experts(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Tensor,
+                   chosen: torch.Tensor) -> torch.Tensor | None:
+    """fused_experts' result without the sort, for few assignments; None where the experts'
+    FP8 blocking is not one the kernels take."""
+    tokens, top_k = chosen.shape
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    inter, hidden = gate_up.shape[1] // 2, gate_up.shape[2]
+    plans = _direct_plan(experts, "gate_up_proj"), _direct_plan(experts, "down_proj")
+    if None in plans:
+        return None
+    (gate_mode, gate_n, gate_k), (down_mode, down_n, down_k) = plans
+    x = x.contiguous()
+    chosen = chosen.reshape(-1).contiguous()
+    h = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    gate_scale = experts.gate_up_proj_scale if gate_mode else gate_up
+    _direct_gate_up[(tokens * top_k, triton.cdiv(inter, gate_n))](
+        x, gate_up, h, chosen, gate_scale, inter, hidden, top_k, x.stride(0), gate_up.stride(0),
+        gate_up.stride(1), h.stride(0), gate_scale.stride(0) if gate_mode else 0,
+        gate_scale.stride(1) if gate_mode else 0, experts.scale_cols.get("gate_up_proj", 1),
+        W_SCALES=gate_mode, BLOCK_N=gate_n, BLOCK_K=gate_k, num_warps=4)
+    out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    down_scale = experts.down_proj_scale if down_mode else down
+    _direct_down_sum[(tokens, triton.cdiv(hidden, down_n))](
+        h, down, out, chosen, weights.reshape(-1).contiguous(), hidden, inter, h.stride(0),
+        down.stride(0), down.stride(1), out.stride(0), down_scale,
+        down_scale.stride(0) if down_mode else 0, down_scale.stride(1) if down_mode else 0,
+        experts.scale_cols.get("down_proj", 1), TOP_K=top_k, W_SCALES=down_mode,
+        BLOCK_N=down_n, BLOCK_K=down_k, num_warps=4)
+    return out
+
+
 def fused_experts(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Tensor,
                   chosen: torch.Tensor, silu_and_mul) -> torch.Tensor:  # noqa: ANN001
     """Sum over each token's chosen experts of weight times expert output: ``experts`` a
     moe.Experts (16-bit or FP8), ``weights``/``chosen`` [tokens, k]."""
     tokens, top_k = chosen.shape
+    if 0 < tokens * top_k <= DIRECT_MAX_ASSIGNMENTS:
+        out = direct_experts(x, experts, weights, chosen)
+        if out is not None:
+            return out
     sort = sort_small if tokens * top_k <= SMALL_SORT_MAX else sort_chunked
     groups = sort(chosen, experts.gate_up_proj.shape[0], block_m_for(tokens))
 
