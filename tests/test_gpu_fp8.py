@@ -63,7 +63,7 @@ def _within_a_step(got: tuple, want: tuple) -> None:
     torch.testing.assert_close(scales, ref_scales, rtol=1e-2, atol=0)
     a, b = values.float() * scales, ref_values.float() * ref_scales
     assert ((a - b).abs() <= b.abs() / 8 + ref_scales * 2 ** -6).all()
-    assert (values.view(torch.uint8) == ref_values.view(torch.uint8)).float().mean() > 0.95
+    assert (values.view(torch.uint8) == ref_values.view(torch.uint8)).float().mean() > 0.9
 
 
 @pytest.mark.parametrize("rows, width", [(1, 4096), (64, 4096), (37, 5120), (3, 1000)])
