@@ -17,8 +17,9 @@ import triton.language as tl
 
 from pdserve.models.fp8_gemm import FP8_DTYPE, FP8_MAX, MIN_SCALE
 
-# Widest row the norm keeps in registers in one pass (hidden sizes up to Llama 405B's).
-MAX_NORM_WIDTH = 16384
+# Widest row a kernel keeps in registers, one program a row, in one pass (so a row's latency
+# is one read): hidden and intermediate sizes up to Llama 405B's and Llama 3 8B's.
+MAX_WIDTH = 16384
 
 
 @triton.jit
@@ -47,25 +48,21 @@ def _norm_quant(x, residual, weight, out, scales, K, eps, stride_x, stride_r, st
 def _silu_mul_quant(x, out, scales, inter, stride_x, stride_o, BLOCK: tl.constexpr,
                     FP8_MAX_: tl.constexpr, MIN_SCALE_: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    gates = x + row * stride_x
-    amax = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, inter, BLOCK):   # first pass: the row's largest magnitude
-        cols = start + tl.arange(0, BLOCK)
-        g = tl.load(gates + cols, mask=cols < inter, other=0.0)
-        u = tl.load(gates + inter + cols, mask=cols < inter, other=0.0).to(tl.float32)
-        g32 = g.to(tl.float32)
-        h = (g32 / (1.0 + tl.exp(-g32)) * u).to(g.dtype).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(h))
-    scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX_, MIN_SCALE_)
-    for start in range(0, inter, BLOCK):   # second pass (the row is in L2): the FP8 values
-        cols = start + tl.arange(0, BLOCK)
-        g = tl.load(gates + cols, mask=cols < inter, other=0.0)
-        u = tl.load(gates + inter + cols, mask=cols < inter, other=0.0).to(tl.float32)
-        g32 = g.to(tl.float32)
-        h = (g32 / (1.0 + tl.exp(-g32)) * u).to(g.dtype).to(tl.float32)
-        q = tl.minimum(tl.maximum(h / scale, -FP8_MAX_), FP8_MAX_)
-        tl.store(out + row * stride_o + cols, q.to(out.dtype.element_ty), mask=cols < inter)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < inter
+    g = tl.load(x + row * stride_x + cols, mask=mask, other=0.0)
+    u = tl.load(x + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    g32 = g.to(tl.float32)
+    h = (g32 / (1.0 + tl.exp(-g32)) * u).to(g.dtype).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(h), axis=0) / FP8_MAX_, MIN_SCALE_)
+    q = tl.minimum(tl.maximum(h / scale, -FP8_MAX_), FP8_MAX_)
+    tl.store(out + row * stride_o + cols, q.to(out.dtype.element_ty), mask=mask)
     tl.store(scales + row, scale)
+
+
+def _warps(block: int) -> int:
+    """Warps for a row of ``block`` values held in registers: 32 a thread at most."""
+    return min(16, max(4, block // 1024))
 
 
 def _outputs(rows: int, cols: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,7 +75,7 @@ def norm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Ten
     """RMSNorm of ``x`` [M, K] (of ``x + residual``, stored into ``residual``, where given) as
     FP8 rows and their float32 scales [M, 1]."""
     rows, k = x.shape
-    assert k <= MAX_NORM_WIDTH and x.stride(-1) == 1
+    assert k <= MAX_WIDTH and x.stride(-1) == 1
     values, scales = _outputs(rows, k, x.device)
     if rows:
         block = triton.next_power_of_2(k)
@@ -86,18 +83,19 @@ def norm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Ten
                              k, eps, x.stride(0),
                              residual.stride(0) if residual is not None else 0, values.stride(0),
                              HAS_RESIDUAL=residual is not None, BLOCK=block, FP8_MAX_=FP8_MAX,
-                             MIN_SCALE_=MIN_SCALE, num_warps=min(16, max(4, block // 1024)))
+                             MIN_SCALE_=MIN_SCALE, num_warps=_warps(block))
     return values, scales
 
 
 def silu_mul_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """SiLU(gate) * up of ``x`` [M, 2I] (gate the first half) as FP8 rows [M, I] and their
-    float32 scales [M, 1]."""
+    """SiLU(gate) * up of ``x`` [M, 2I] (gate the first half, I at most MAX_WIDTH) as FP8 rows
+    [M, I] and their float32 scales [M, 1]."""
     rows, width = x.shape
-    assert x.stride(-1) == 1
+    assert width // 2 <= MAX_WIDTH and x.stride(-1) == 1
     values, scales = _outputs(rows, width // 2, x.device)
     if rows:
+        block = triton.next_power_of_2(width // 2)
         _silu_mul_quant[(rows,)](x, values, scales, width // 2, x.stride(0), values.stride(0),
-                                 BLOCK=1024, FP8_MAX_=FP8_MAX, MIN_SCALE_=MIN_SCALE,
-                                 num_warps=4)
+                                 BLOCK=block, FP8_MAX_=FP8_MAX, MIN_SCALE_=MIN_SCALE,
+                                 num_warps=_warps(block))
     return values, scales

@@ -59,17 +59,18 @@ class TorchOps:
         return F.silu(gate) * up
 
     def norm_fp8(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[Fp8Rows, torch.Tensor]:
+                 eps: float) -> tuple[Fp8Rows | torch.Tensor, torch.Tensor]:
         """``rmsnorm(x)`` (``add_rmsnorm`` where ``residual`` is given) quantized per token for
-        an FP8 GEMM, and the residual (``x`` where none was given)."""
+        an FP8 GEMM (a kernel that cannot returns the 16-bit rows: the GEMM quantizes them),
+        and the residual (``x`` where none was given)."""
         if residual is None:
             h, residual = self.rmsnorm(x, weight, eps), x
         else:
             h, residual = self.add_rmsnorm(x, residual, weight, eps)
         return Fp8Rows(*quantize_rows(h.reshape(-1, h.shape[-1])), h.dtype), residual
 
-    def silu_and_mul_fp8(self, x: torch.Tensor) -> Fp8Rows:
-        """``silu_and_mul(x)`` quantized per token for an FP8 GEMM."""
+    def silu_and_mul_fp8(self, x: torch.Tensor) -> Fp8Rows | torch.Tensor:
+        """``silu_and_mul(x)`` quantized per token for an FP8 GEMM (or 16-bit, as norm_fp8)."""
         h = self.silu_and_mul(x)
         return Fp8Rows(*quantize_rows(h.reshape(-1, h.shape[-1])), h.dtype)
 
@@ -149,20 +150,23 @@ class CudaOps(TorchOps):
         return self._k.silu_and_mul(x)
 
     def norm_fp8(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[Fp8Rows, torch.Tensor]:
+                 eps: float) -> tuple[Fp8Rows | torch.Tensor, torch.Tensor]:
         from pdserve.models import fp8_quant_kernel
 
-        if x.shape[-1] > fp8_quant_kernel.MAX_NORM_WIDTH:
-            return super().norm_fp8(x, residual, weight, eps)
+        if x.shape[-1] > fp8_quant_kernel.MAX_WIDTH:   # the layer quantizes the 16-bit rows
+            return (self.rmsnorm(x, weight, eps), x) if residual is None else \
+                self.add_rmsnorm(x, residual, weight, eps)
         flat = x.reshape(-1, x.shape[-1])
         values, scales = fp8_quant_kernel.norm_quant(
             flat, None if residual is None else residual.view(flat.shape), weight, eps)
         return Fp8Rows(values, scales, x.dtype), (x if residual is None else residual)
 
-    def silu_and_mul_fp8(self, x: torch.Tensor) -> Fp8Rows:
-        from pdserve.models.fp8_quant_kernel import silu_mul_quant
+    def silu_and_mul_fp8(self, x: torch.Tensor) -> Fp8Rows | torch.Tensor:
+        from pdserve.models import fp8_quant_kernel
 
-        return Fp8Rows(*silu_mul_quant(x.reshape(-1, x.shape[-1])), x.dtype)
+        if x.shape[-1] // 2 > fp8_quant_kernel.MAX_WIDTH:
+            return self.silu_and_mul(x)
+        return Fp8Rows(*fp8_quant_kernel.silu_mul_quant(x.reshape(-1, x.shape[-1])), x.dtype)
 
     def fuses_rope_kv(self, head_dim: int) -> bool:
         from pdserve.models import rope_kv_kernel
