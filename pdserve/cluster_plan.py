@@ -182,6 +182,9 @@ class ClusterPlan:
         engine = dataclasses.replace(self.engine, device=self.device_of(role, index),
                                      gpu_memory_utilization=utilization,
                                      tensor_parallel_size=self.ranks(role))
+        if role == "decode" and (self.launcher.prefill_on_decode
+                                 or self.router.local_prefill_max_tokens > 0):
+            engine = dataclasses.replace(engine, prompt_graphs_on_decode=True)   # it prefills
         if role == "decode" and config.yield_to_prefill_ms < 0:
             config = dataclasses.replace(config, yield_to_prefill_ms=(
                 YIELD_TO_PREFILL_MS if "prefill" in sharing else 0.0))

@@ -106,6 +106,10 @@ class EngineConfig(ModelSource):
                                     "quantized per token by the RMSNorm or SiLU-and-mul "
                                     "before them, in the same kernel (on CUDA), not by a "
                                     "kernel of their own")
+    prompt_graphs_on_decode: bool = setting(
+        False, "decode workers capture prompt-step CUDA graphs too (as prefill workers do, up "
+        "to --prefill-graph-max-tokens), for the prompts they prefill themselves; `pdserve up` "
+        "turns it on under --prefill-on-decode or --local-prefill-max-tokens")
     triton_gemv: bool = setting(True, "inside CUDA graphs, batch-1 linear layers as a Triton "
                                 "GEMV (else cuBLAS)")
     overlap_scheduling: bool = setting(True, "prepare and launch step n+1 while step n runs on "

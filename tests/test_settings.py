@@ -55,6 +55,19 @@ def test_up_forwards_each_child_exactly_the_settings_it_was_given():
     assert (routed.http_port, routed.model) == (8001, "tiny")
 
 
+@pytest.mark.parametrize("flags, prompt_graphs", [
+    ([], False), (["--prefill-on-decode"], True), (["--local-prefill-max-tokens", "256"], True)])
+def test_up_has_decode_workers_capture_prompt_graphs_where_they_prefill(flags, prompt_graphs):
+    plan = ClusterPlan.from_args(build_parser().parse_args(["up", "--model", "tiny", *flags]))
+    decode = role_config("decode", build_parser().parse_args(
+        ["decode", *plan.worker_argv("decode", 0)]))
+    assert decode.engine.prompt_graphs_on_decode is prompt_graphs
+    if not flags:
+        prefill = role_config("prefill", build_parser().parse_args(
+            ["prefill", *plan.worker_argv("prefill", 0)]))
+        assert not prefill.engine.prompt_graphs_on_decode
+
+
 def test_up_splits_gpu_memory_between_workers_sharing_a_gpu():
     args = build_parser().parse_args(["up", "--prefill-devices", "cuda:0",
                                       "--decode-devices", "cuda:0,cuda:1", "--decode", "2",

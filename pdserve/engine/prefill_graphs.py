@@ -16,9 +16,9 @@ Every bucket's pieces share one memory pool: what passes from one piece to the n
 buffers allocated outside it (the residual stream is updated in place), so a piece's
 temporaries are dead once it has run and pieces may share them in any order.
 
-Dense bf16/fp16 and FP8-weight models with the fused RoPE + K/V store kernel, one rank: others
-prefill eagerly. Mixture-of-experts layers and tensor-parallel collectives are captured in
-decode's graphs but have not been run in these yet.
+Dense and mixture-of-experts (fused experts) bf16/fp16 and FP8-weight models with the fused
+RoPE + K/V store kernel, one rank: others prefill eagerly. Prefill workers capture them, and
+decode workers that prefill prompts themselves (--prompt-graphs-on-decode).
 """
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ class PrefillGraphs:
         batch = dataclasses.replace(host, positions=self.positions[:tokens],
                                     out_slots=self.out_slots[:tokens])
         return ForwardContext(batch, self.attn, self.model.ops, self.model.cos_sin,
-                              fuse_rope_kv=True)
+                              fuse_rope_kv=True, fp8_rows=self.model.fuse_fp8_quant)
 
     def _pieces(self, tokens: int) -> list[Callable[[], None]]:
         model, layers = self.model, self.model.layers

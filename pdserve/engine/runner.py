@@ -183,7 +183,8 @@ class ModelRunner:
     def _prefill_graph_tokens(self, config: EngineConfig, role: str, step_tokens: int,
                               quiet: bool = False) -> int:
         """The largest prompt step replayed in CUDA graphs (PrefillGraphs); 0: none."""
-        if (role != "prefill" or self.device.type != "cuda" or not config.step_buckets
+        prompts = role == "prefill" or (role == "decode" and config.prompt_graphs_on_decode)
+        if (not prompts or self.device.type != "cuda" or not config.step_buckets
                 or config.prefill_graph_max_tokens <= 0 or config.disable_cuda_graph):
             return 0
         why_not = why_not_captured(self.model)
