@@ -319,7 +319,10 @@ def test_prompt_step_graphs_match_eager_steps(model, role, quantization):
         # FP8: a rounding apart before a per-token quantizer is a step of 2^-4 after it.
         assert diff < (0.1 if quantization else 3e-2), (lengths, diff)
         for a, b in zip(graph_kv, eager_kv):
-            if model == "small-moe" or quantization:   # or a near-tie routes a token elsewhere
+            if quantization:   # graph and eager RoPE round apart; FP8 rows widen it layer by layer
+                assert (a[0] - b[0]).norm() <= 3e-2 * b[0].norm(), lengths
+                assert (a - b).norm() <= 0.15 * b.norm(), lengths
+            elif model == "small-moe":   # a bf16 near-tie may route one token elsewhere
                 assert (a - b).norm() <= 3e-2 * b.norm(), lengths
             else:
                 assert (a - b).abs().max() <= 6e-2 * b.abs().max(), lengths

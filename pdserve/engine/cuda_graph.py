@@ -77,8 +77,8 @@ class CudaGraphRunner:
             self.attn.prepare_for_capture(batch)
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up: lazy initialisation, autotuning
-                    self.model(batch, self.attn, float_logits=False)
+                for _ in range(2):  # warm-up: lazy initialisation, autotuning, JIT builds
+                    self.model(batch, self.attn, float_logits=False, graph=True)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=memory_pool, stream=stream):

@@ -241,16 +241,19 @@ class CausalLM(nn.Module):
         self.fuse_fp8_quant = fused_fp8_quant
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend,
-                float_logits: bool = True) -> torch.Tensor:
+                float_logits: bool = True, graph: bool | None = None) -> torch.Tensor:
         """Logits [batch, vocab]: float32, or the model's dtype where ``float_logits`` is
-        False (decode's graphs: the sampler reads them as they are)."""
+        False (decode's graphs: the sampler reads them as they are). ``graph``: run the kernels
+        a CUDA graph gets (default: whether a capture is under way), as a warm-up before a
+        capture does so that none is compiled or loaded inside it."""
         assert self.cos_sin is not None, "prepare() first"
         # The one-row GEMV only goes into CUDA graphs: launched eagerly its Triton launcher
         # costs more than it saves. The fused RoPE + K/V store goes into graphs and into eager
         # steps of FUSED_EAGER_MIN_TOKENS or more (prefill), where it replaces seven kernels per
         # layer, a third of a Qwen3 prefill step's GPU time (the per-head norms), and their
         # launches.
-        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        capturing = graph if graph is not None else (
+            torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
         tokens = batch.input_ids.shape[0]
         ctx = ForwardContext(batch, attn, self.ops, self.cos_sin,
                              self.fuse_rope_kv and (capturing or tokens >= FUSED_EAGER_MIN_TOKENS),
