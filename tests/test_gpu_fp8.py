@@ -97,6 +97,32 @@ def test_fused_quantizers_agree_with_each_layer_quantizing_its_input():
     assert agreement >= 0.95
 
 
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.5, 2.0)])
+def test_fused_rope_store_kv_quantizes_into_fp8_pages_as_the_pool_does(scales):
+    """The fused RoPE + K/V store writes an FP8 pool's K and V as KVPool.store_kv does: divided
+    by the layer's scales, e4m3 (to its rounding), and returns the same queries."""
+    from pdserve.models.ops import CudaOps, TorchOps
+
+    heads, kv_heads, dim, tokens = 8, 2, 128, 37
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, device=CUDA).bfloat16() * 3
+    positions = torch.arange(tokens, device=CUDA) * 3
+    slots = torch.randperm(64, device=CUDA)[:tokens]
+    from pdserve.models.layers import rope_cos_sin
+    cos_sin = rope_cos_sin(dim, 256, 1e6, None, CUDA)
+    caches = {}
+    for name, ops in (("fused", CudaOps()), ("reference", TorchOps())):
+        k = torch.zeros(16, 4, kv_heads, dim, dtype=FP8_E4M3, device=CUDA)
+        v = torch.zeros_like(k)
+        q = ops.rope_store_kv(qkv, positions, slots, cos_sin, k, v, heads, kv_heads, dim,
+                              None, None, 1e-6, *scales)
+        caches[name] = (q, k.float(), v.float())
+    (q, k, v), (ref_q, ref_k, ref_v) = caches["fused"], caches["reference"]
+    torch.testing.assert_close(q, ref_q, rtol=2e-2, atol=2e-2)
+    for got, want in ((k, ref_k), (v, ref_v)):
+        assert ((got - want).abs() <= torch.maximum(got.abs(), want.abs()) / 8 + 2 ** -9).all()
+        assert (got == want).float().mean() > 0.9
+
+
 def _decode_runner(model: str, **config) -> ModelRunner:
     return ModelRunner(EngineConfig(model=model, page_size=16, num_pages=512,
                                     cuda_graph_max_bs=8, **config), "decode")

@@ -46,7 +46,7 @@ def why_not_captured(model: CausalLM) -> str:
             and not model.ops.has_fused_experts):
         return "mixture-of-experts layers without the fused experts (their loop syncs the host)"
     if not model.fuse_rope_kv:
-        return "no fused RoPE + K/V store kernel (FP8 KV cache, or turned off)"
+        return "no fused RoPE + K/V store kernel (turned off)"
     return ""
 
 

@@ -111,11 +111,8 @@ class ModelRunner:
             # Kernels, graph captures and allocations that name no device go to the current
             # one: it must be ours (decode on cuda:1 failed to capture without this).
             torch.cuda.set_device(self.device)
-        # The fused RoPE + K/V store kernel writes the pool unscaled: FP8 pages are stored
-        # (quantized) by the attention backend instead.
-        fp8_kv = config.kv_cache_dtype == "fp8_e4m3"
         self.model = load_model(local_model(config), config.dtype, self.device, config.seed,
-                                fused_rope_kv=config.fused_rope_kv and not fp8_kv,
+                                fused_rope_kv=config.fused_rope_kv,
                                 triton_gemv=config.triton_gemv,
                                 fused_fp8_quant=config.fused_fp8_quant,
                                 max_model_len=config.max_model_len,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pdserve.kvcache.kv_dtype import is_fp8, quantize_fp8
 from pdserve.models.fp8_gemm import Fp8Rows, quantize_rows
 
 
@@ -29,7 +30,7 @@ class TorchOps:
                       cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       num_heads: int, num_kv_heads: int, head_dim: int,
                       q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
-                      eps: float) -> torch.Tensor:
+                      eps: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         """(q/k RMSNorm,) RoPE and the K/V store of one layer, as the fused kernel does them
         (CudaOps; here for checking what calls it on the CPU); returns q [tokens, heads, dim]."""
         q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim,
@@ -39,8 +40,14 @@ class TorchOps:
         if q_norm is not None and k_norm is not None:
             q, k = self.rmsnorm(q, q_norm, eps), self.rmsnorm(k, k_norm, eps)
         q, k = self.rope(positions, q, k, cos_sin)
-        for cache, values in ((k_cache, k), (v_cache, v.reshape(-1, num_kv_heads, head_dim))):
-            cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, values.to(cache.dtype))
+        for cache, values, scale in ((k_cache, k, k_scale),
+                                     (v_cache, v.reshape(-1, num_kv_heads, head_dim), v_scale)):
+            if is_fp8(cache.dtype):   # as bytes: index_copy_ has no float8 kernel on the CPU
+                cache, stored = cache.view(torch.uint8), quantize_fp8(values, scale).view(
+                    torch.uint8)
+            else:
+                stored = values.to(cache.dtype)
+            cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, stored)
         return q
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -177,12 +184,12 @@ class CudaOps(TorchOps):
                       cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       num_heads: int, num_kv_heads: int, head_dim: int,
                       q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
-                      eps: float) -> torch.Tensor:
+                      eps: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         """(q/k RMSNorm,) RoPE and the K/V store of one layer in one kernel; returns q."""
         from pdserve.models.rope_kv_kernel import rope_store_kv
 
         return rope_store_kv(qkv, positions, slots, cos_sin, k_cache, v_cache, num_heads,
-                             num_kv_heads, head_dim, q_norm, k_norm, eps)
+                             num_kv_heads, head_dim, q_norm, k_norm, eps, k_scale, v_scale)
 
     def rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
              cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
