@@ -34,10 +34,12 @@ def _rope_store_kv(qkv, q_out, k_cache, v_cache, positions, slots, cos_sin, q_no
     kv_offsets = slot * num_kv_heads * HEAD_DIM + heads * HEAD_DIM + dims
     if part == 2:
         if FP8_KV:   # kv_dtype.quantize_fp8: divided by the layer's scale, saturated
-            x1 = tl.minimum(tl.maximum(x1.to(tl.float32) / v_scale, -FP8_MAX), FP8_MAX)
-            x2 = tl.minimum(tl.maximum(x2.to(tl.float32) / v_scale, -FP8_MAX), FP8_MAX)
-        tl.store(v_cache + kv_offsets, x1.to(v_cache.dtype.element_ty), mask=mask)
-        tl.store(v_cache + kv_offsets + HALF, x2.to(v_cache.dtype.element_ty), mask=mask)
+            v1 = tl.minimum(tl.maximum(x1.to(tl.float32) / v_scale, -FP8_MAX), FP8_MAX)
+            v2 = tl.minimum(tl.maximum(x2.to(tl.float32) / v_scale, -FP8_MAX), FP8_MAX)
+        else:
+            v1, v2 = x1, x2
+        tl.store(v_cache + kv_offsets, v1.to(v_cache.dtype.element_ty), mask=mask)
+        tl.store(v_cache + kv_offsets + HALF, v2.to(v_cache.dtype.element_ty), mask=mask)
     else:
         a = x1.to(tl.float32)
         b = x2.to(tl.float32)
