@@ -3,7 +3,7 @@
 A request the router sends here whole (``prefill_here``: a prompt short enough that moving it
 costs more than computing it, the router's --local-prefill-max-tokens, or every prompt under
 ``pdserve up --prefill-on-decode``) waits in this queue. Between two decode steps the loop runs
-one eager step over such prompts, in arrival order, up to PREFILL_HERE_STEP_TOKENS (a longer
+one step over such prompts, in arrival order, up to ``--prefill-here-step-tokens`` (a longer
 prompt continues in the next, a chunk a step, so no step holds decode back longer than that),
 their KV going straight into their reservations; a prompt whose last chunk this was has its first
 token, sampled as a prefill worker samples it, and joins the decode batch like any other.
@@ -25,17 +25,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# The prompt tokens one step takes at most: it bounds how long a step holds decode back, and
-# its activations stay near a decode step's.
+# The prompt tokens one step takes at most, unless told: it bounds how long a step holds decode
+# back, and its activations stay near a decode step's.
 PREFILL_HERE_STEP_TOKENS = 1024
 
 
 class PrefillHereQueue:
     """The loop thread's prompts not yet prefilled, and the step that prefills them."""
 
-    def __init__(self, runner: ModelRunner, metrics: DecodeMetrics) -> None:
+    def __init__(self, runner: ModelRunner, metrics: DecodeMetrics,
+                 step_tokens: int = PREFILL_HERE_STEP_TOKENS) -> None:
         self.runner = runner
         self.metrics = metrics
+        self.step_tokens = step_tokens
         self._queue: deque[DecodeRequest] = deque()
 
     def __bool__(self) -> bool:
@@ -54,7 +56,7 @@ class PrefillHereQueue:
         """One step: (the requests whose prompts it completed, each with its first token;
         the requests of a step that failed, which leave the queue)."""
         batch: list[tuple[DecodeRequest, int, int]] = []   # request, first position, tokens
-        budget = PREFILL_HERE_STEP_TOKENS
+        budget = self.step_tokens
         for req in self._queue:
             if budget <= 0:
                 break
@@ -71,7 +73,7 @@ class PrefillHereQueue:
             for req, _, _ in batch:
                 self._queue.remove(req)
             return [], [req for req, _, _ in batch]
-        self.metrics.prefilled_here.inc(PREFILL_HERE_STEP_TOKENS - budget)
+        self.metrics.prefilled_here.inc(self.step_tokens - budget)
         done = []
         for (req, start, count), token in zip(batch, tokens):
             req.prefilled = start + count

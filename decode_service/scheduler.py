@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from decode_service.outbox import Outbox
-from decode_service.prefill_here import PrefillHereQueue
+from decode_service.prefill_here import PREFILL_HERE_STEP_TOKENS, PrefillHereQueue
 from decode_service.prefill_yield import PrefillYield
 from decode_service.reservations import Reservation, ReservationTable
 from pdserve.engine.decode_slots import SlotJoin
@@ -107,7 +107,8 @@ class DecodeLoop:
     def __init__(self, steps: DecodeSteps, table: ReservationTable, max_running: int,
                  metrics: DecodeMetrics, overlap: bool = True,
                  yield_to_prefill_s: float = 0.0,
-                 prefill_watch: PrefillWatch | None = None) -> None:
+                 prefill_watch: PrefillWatch | None = None,
+                 prefill_here_step_tokens: int = PREFILL_HERE_STEP_TOKENS) -> None:
         self.steps = steps
         self.table = table
         self.max_running = min(max_running, steps.slots.max_slots)
@@ -122,7 +123,8 @@ class DecodeLoop:
         # The loop thread's side.
         self._running: dict[str, DecodeRequest] = {}
         self._waiting: deque[DecodeRequest] = deque()
-        self._to_prefill = PrefillHereQueue(steps.runner, metrics)   # prefill_here prompts
+        self._to_prefill = PrefillHereQueue(steps.runner, metrics,   # prefill_here prompts
+                                            prefill_here_step_tokens)
         self._retiring: list[DecodeRequest] = []     # done, but in a step not yet collected
         self._free_slots = list(range(steps.slots.max_slots - 1, -1, -1))
         self._joins: list[SlotJoin] = []

@@ -9,7 +9,6 @@ import grpc
 
 from decode_service.outbox import Final, Outbox
 from decode_service.reservations import ReservationTable
-from decode_service.prefill_here import PREFILL_HERE_STEP_TOKENS
 from decode_service.scheduler import DecodeLoop, DecodeRequest
 from kv_transfer import gpu_uuid, writes_unseen
 from kv_transfer.base import KVTarget
@@ -181,7 +180,7 @@ async def serve(config: DecodeConfig) -> None:
     identity = Identity.from_config(config.server)
     favour_step_thread()
     # The activations of its largest step: a decode batch, or the prompts it prefills itself.
-    step_tokens = max(config.max_running_requests, PREFILL_HERE_STEP_TOKENS)
+    step_tokens = max(config.max_running_requests, config.prefill_here_step_tokens)
     if config.engine.tensor_parallel_size > 1:
         check_splits(source_config(config.engine, local_model(config.engine)),
                      config.engine.tensor_parallel_size)
@@ -191,7 +190,7 @@ async def serve(config: DecodeConfig) -> None:
         runner = ModelRunner(config.engine, "decode", step_tokens)
         steps = DecodeSteps(runner, config.max_running_requests)
     steps.warm_up()   # before SERVING: the first requests find every kernel built
-    runner.warm_up(PREFILL_HERE_STEP_TOKENS)   # and the prompts it prefills itself, if any
+    runner.warm_up(config.prefill_here_step_tokens)   # and the prompts it prefills, if any
     server = make_server(config.server, identity)
     worker = worker_id(config.server, "decode", server.port)
     metrics = DecodeMetrics(worker, served_name(config.engine))
@@ -208,7 +207,8 @@ async def serve(config: DecodeConfig) -> None:
                       config.max_running_requests, metrics,
                       overlap=config.engine.overlap_scheduling,
                       yield_to_prefill_s=max(0.0, config.yield_to_prefill_ms) / 1000,
-                      prefill_watch=PrefillWatch(gpu) if gpu else None)
+                      prefill_watch=PrefillWatch(gpu) if gpu else None,
+                      prefill_here_step_tokens=config.prefill_here_step_tokens)
     # Prefill workers write KV into our KVTransferService: on the main port, or on a port of its
     # own so a NetworkPolicy can open it to prefill pods alone.
     transfer_server = server

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 def _preflight(command: str, config: Any) -> None:
     from pdserve.preflight import (
         check_engine,
-        check_kv_transfer,
+        check_decode,
         check_port,
         check_router,
         check_server,
@@ -123,7 +123,7 @@ def _preflight(command: str, config: Any) -> None:
         return
     check_engine(config.engine)
     if command == "decode":
-        check_kv_transfer(config)
+        check_decode(config)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -92,9 +92,9 @@ class ClusterPlan:
         from pdserve.chat_template import load_chat_template
         from pdserve.models.source import local_model, source_config
         from pdserve.preflight import (
+            check_decode,
             check_device,
             check_engine,
-            check_kv_transfer,
             check_port,
             check_prefill,
             check_router,
@@ -111,7 +111,7 @@ class ClusterPlan:
         for role, index in self._workers():
             check_device(self.device_of(role, index))
         self._check_ranks()
-        check_kv_transfer(self.decode)
+        check_decode(self.decode)
         check_prefill(self.prefill)
         check_router(self.router)
         local = local_model(self.engine)

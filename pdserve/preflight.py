@@ -94,6 +94,13 @@ def nixl_installed() -> bool:
     return any(importlib.util.find_spec(m) is not None for m in ("nixl", "nixl_cu12", "nixl_cu13"))
 
 
+def check_decode(config: DecodeConfig) -> None:
+    if config.prefill_here_step_tokens < 1:
+        raise ConfigError(f"--prefill-here-step-tokens {config.prefill_here_step_tokens}: give "
+                          "the most prompt tokens a step takes, at least 1")
+    check_kv_transfer(config)
+
+
 def check_kv_transfer(config: DecodeConfig) -> None:
     """The engine is installed and usable where the decode pool is (argparse checks the name)."""
     engine = config.kv_transfer

@@ -46,6 +46,7 @@ def _one_line_error(result: subprocess.CompletedProcess, *words: str) -> None:
     (["--prefill", "1", "--prefill-devices", "cpu,cpu"], ["--prefill 1", "no worker"]),
     (["--chunk-size", "-1"], ["--chunk-size -1", "0 (auto)"]),
     (["--stream-interval", "0"], ["--stream-interval 0", "1 or more"]),
+    (["--prefill-here-step-tokens", "0"], ["--prefill-here-step-tokens 0", "at least 1"]),
     (["--device", "cpu", "--tensor-parallel-size", "2", "--all-reduce", "symm_mem"],
      ["--all-reduce symm_mem", "needs GPUs"]),
 ])
@@ -70,6 +71,8 @@ def test_a_worker_with_a_wrong_model_is_one_line():
     _one_line_error(_pdserve("prefill", "--model", "/nonexistent/model"), "--model")
     _one_line_error(_pdserve("prefill", "--chunk-size", "-1"), "--chunk-size -1")
     _one_line_error(_pdserve("decode", "--profile-steps", "10"), "--profile-steps '10'")
+    _one_line_error(_pdserve("decode", "--prefill-here-step-tokens", "-5"),
+                    "--prefill-here-step-tokens -5")
 
 
 @pytest.mark.parametrize("flag", ["--port", "--http-port"])

@@ -38,14 +38,15 @@ def _jobs() -> list[tuple[list[int], SamplingParams]]:
 
 
 async def _decode_all(runner, jobs, overlap: bool, here: bool = False, all_here: bool = False,
-                      prefix_cache: bool = False,
+                      prefix_cache: bool = False, step_tokens: int = 1024,
                       ) -> tuple[dict[str, list[int]], DecodeLoop, ReservationTable]:
     """``here``: every other request (the odd ones) is prefilled by the loop itself;
     ``all_here``: every request."""
     table = ReservationTable(runner.pool, 64, 5.0, 60.0, unseen_writes_possible=False,
                              prefix_cache=prefix_cache)
     loop = DecodeLoop(DecodeSteps(runner, MAX_RUNNING), table, MAX_RUNNING,
-                      DecodeMetrics("test"), overlap=overlap)
+                      DecodeMetrics("test"), overlap=overlap,
+                      prefill_here_step_tokens=step_tokens)
     task = asyncio.create_task(loop.run())
     outbox = Outbox()
     outputs: dict[str, list[int]] = {}
@@ -102,15 +103,14 @@ def test_decode_loop_matches_single_process(tiny_runner, overlap):
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 @pytest.mark.parametrize("step_tokens", [1024, 7], ids=["whole", "chunked"])
-def test_prompts_prefilled_by_the_loop_match_single_process(tiny_runner, overlap, step_tokens,
-                                                           monkeypatch):
+def test_prompts_prefilled_by_the_loop_match_single_process(tiny_runner, overlap, step_tokens):
     """Half the requests come whole (prefill_here): the loop prefills them between its steps
     (in chunks of 7 tokens: a prompt over several steps, several prompts in one) and they
     decode beside the others, every token as one process gives it."""
-    monkeypatch.setattr("decode_service.prefill_here.PREFILL_HERE_STEP_TOKENS", step_tokens)
     jobs = _jobs()
     free_before = tiny_runner.pool.allocator.num_free
-    outputs, loop, table = asyncio.run(_decode_all(tiny_runner, jobs, overlap, here=True))
+    outputs, loop, table = asyncio.run(_decode_all(tiny_runner, jobs, overlap, here=True,
+                                                   step_tokens=step_tokens))
     for i, (prompt, params) in enumerate(jobs):
         assert outputs[f"r{i}"] == local.generate(tiny_runner, prompt, params), f"request {i}"
     assert table.held_pages == 0 and loop.num_free_slots == MAX_RUNNING
