@@ -26,8 +26,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # The prompt tokens one step takes at most, unless told: it bounds how long a step holds decode
-# back, and its activations stay near a decode step's.
-PREFILL_HERE_STEP_TOKENS = 1024
+# back (1,024 gave later first tokens and no faster tokens under live traffic).
+PREFILL_HERE_STEP_TOKENS = 4096
 
 
 class PrefillHereQueue:

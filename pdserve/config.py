@@ -181,7 +181,7 @@ class DecodeConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     max_running_requests: int = setting(256, "largest decode batch")
     prefill_here_step_tokens: int = setting(
-        1024, "most prompt tokens a step of the prompts this worker prefills itself takes "
+        4096, "most prompt tokens a step of the prompts this worker prefills itself takes "
         "(--local-prefill-max-tokens, --prefill-on-decode), between two decode steps; a longer "
         "prompt continues in the next. Larger: waiting prompts share fewer steps, so first "
         "tokens come sooner while decode waits longer for each")

@@ -38,7 +38,7 @@ def _jobs() -> list[tuple[list[int], SamplingParams]]:
 
 
 async def _decode_all(runner, jobs, overlap: bool, here: bool = False, all_here: bool = False,
-                      prefix_cache: bool = False, step_tokens: int = 1024,
+                      prefix_cache: bool = False, step_tokens: int = 4096,
                       ) -> tuple[dict[str, list[int]], DecodeLoop, ReservationTable]:
     """``here``: every other request (the odd ones) is prefilled by the loop itself;
     ``all_here``: every request."""
@@ -102,7 +102,7 @@ def test_decode_loop_matches_single_process(tiny_runner, overlap):
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
-@pytest.mark.parametrize("step_tokens", [1024, 7], ids=["whole", "chunked"])
+@pytest.mark.parametrize("step_tokens", [4096, 7], ids=["whole", "chunked"])
 def test_prompts_prefilled_by_the_loop_match_single_process(tiny_runner, overlap, step_tokens):
     """Half the requests come whole (prefill_here): the loop prefills them between its steps
     (in chunks of 7 tokens: a prompt over several steps, several prompts in one) and they
