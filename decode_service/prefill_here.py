@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from pdserve.config import DecodeConfig
 from pdserve.engine.batch import SeqInput
 from pdserve.metrics import DecodeMetrics
 from pdserve.sampling_params import sample_row
@@ -25,9 +26,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# The prompt tokens one step takes at most, unless told: it bounds how long a step holds decode
-# back (1,024 gave later first tokens and no faster tokens under live traffic).
-PREFILL_HERE_STEP_TOKENS = 4096
+# The prompt tokens one step takes at most, unless told (the setting's default).
+PREFILL_HERE_STEP_TOKENS: int = DecodeConfig.prefill_here_step_tokens
 
 
 class PrefillHereQueue:

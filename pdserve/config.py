@@ -180,6 +180,8 @@ class DecodeConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     max_running_requests: int = setting(256, "largest decode batch")
+    # Bounds how long such a step holds decode back; 1,024 gave later first tokens and no faster
+    # tokens under live traffic (bench/results/h100-prefill-here-steps).
     prefill_here_step_tokens: int = setting(
         4096, "most prompt tokens a step of the prompts this worker prefills itself takes "
         "(--local-prefill-max-tokens, --prefill-on-decode), between two decode steps; a longer "
