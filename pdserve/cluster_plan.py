@@ -101,6 +101,8 @@ class ClusterPlan:
         )
 
         launcher = self.launcher
+        self.launcher = launcher = dataclasses.replace(
+            launcher, prefill_on_decode="on" if self.prefill_on_decode() else "off")
         if launcher.routers < 0:
             raise ConfigError(f"--routers {launcher.routers}: give a number of router "
                               "processes, or 0 (auto)")
@@ -130,15 +132,30 @@ class ClusterPlan:
             raise ConfigError(f"--http-port {launcher.http_port} is the gRPC --port")
         check_port(launcher.host, launcher.http_port, "--http-port")
 
+    def prefill_on_decode(self) -> bool:
+        """--prefill-on-decode, where auto is on for the one layout it was measured best for:
+        one prefill and one decode worker sharing one GPU, nothing about the workers asked
+        for. Two processes time-slice that GPU, and each pays for every switch; one process
+        prefilling between its decode steps met SGLang's latency under live traffic where the
+        two did not, at 2-10% of the all-at-once burst (bench/results/h100-one-gpu-default/)."""
+        value = self.launcher.prefill_on_decode
+        if value != "auto":
+            return value == "on"
+        launcher = self.launcher
+        asked = (launcher.prefill or launcher.decode or launcher.prefill_devices
+                 or launcher.decode_devices or self.router.local_prefill_max_tokens > 0
+                 or self.ranks("prefill") != 1 or self.ranks("decode") != 1)
+        return not asked and bool(_gpu(self.engine.device))
+
     def worker_count(self, role: str) -> int:
         """--prefill/--decode, or under auto (0) one worker per device of --ROLE-devices (1
         where none is listed). Fewer workers than devices listed is refused: a device would
         be left without one."""
         count = getattr(self.launcher, role)
         devices = getattr(self.launcher, f"{role}_devices")
-        if role == "prefill" and self.launcher.prefill_on_decode:
+        if role == "prefill" and self.prefill_on_decode():
             if count or devices:
-                raise ConfigError("--prefill-on-decode starts no prefill workers: leave out "
+                raise ConfigError("--prefill-on-decode on starts no prefill workers: leave out "
                                   f"--prefill{' and --prefill-devices' if devices else ''}")
             return 0
         if count < 0:
@@ -182,7 +199,7 @@ class ClusterPlan:
         engine = dataclasses.replace(self.engine, device=self.device_of(role, index),
                                      gpu_memory_utilization=utilization,
                                      tensor_parallel_size=self.ranks(role))
-        if role == "decode" and (self.launcher.prefill_on_decode
+        if role == "decode" and (self.prefill_on_decode()
                                  or self.router.local_prefill_max_tokens > 0):
             engine = dataclasses.replace(engine, prompt_graphs_on_decode=True)   # it prefills
         if role == "decode" and config.yield_to_prefill_ms < 0:

@@ -288,9 +288,13 @@ class LauncherConfig:
                            "turn (0, auto: one per device listed there, else 1)")
     decode: int = setting(0, "decode workers, each on the next of --decode-devices in turn "
                           "(0, auto: one per device listed there, else 1)")
-    prefill_on_decode: bool = setting(False, "start no prefill workers: each decode worker "
-                                      "prefills its own prompts between its decode steps (one "
-                                      "copy of the weights per GPU, no KV hand-off)")
+    prefill_on_decode: str = setting(
+        "auto", "on: start no prefill workers, each decode worker prefills its own prompts "
+        "between its decode steps (one copy of the weights per GPU, no KV hand-off); off: "
+        "prefill workers; auto: on where the whole cluster would be one prefill and one decode "
+        "worker sharing one GPU (no --prefill, --decode, --prefill-devices, --decode-devices, "
+        "tensor parallelism or --local-prefill-max-tokens given), else off. The flag alone "
+        "means on", choices=("auto", "on", "off"), nargs="?", const="on")
     routers: int = setting(0, "router processes, sharing the public ports: one Python process "
                            "relays every streamed message of its clients, and at about 10k "
                            "tokens/s it saturates a core; 0 (auto): 1 where the workers run on "

@@ -231,6 +231,7 @@ def run_cluster(plan: ClusterPlan) -> int:
     metrics = None if launcher.no_metrics else ports
     children: list[Child] = []
     code = 0
+    auto_prefill_here = plan.launcher.prefill_on_decode == "auto"
     try:
         plan.preflight()
     except ConfigError as err:
@@ -278,6 +279,9 @@ def run_cluster(plan: ClusterPlan) -> int:
         if secrets.ca_file:
             print(f"pdserve: mutual TLS between every process; clients trust {secrets.ca_file}",
                   flush=True)
+        if auto_prefill_here and launcher.prefill_on_decode == "on":
+            print("pdserve: one GPU: the decode worker prefills its own prompts, with no "
+                  "prefill worker (--prefill-on-decode off starts one beside it)", flush=True)
         print(f"pdserve ready: router on {routers[0].address} (model "
               f"{plan.engine.served_model_name or plan.engine.model}, "
               f"{launcher.prefill} prefill, {launcher.decode} decode"

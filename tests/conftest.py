@@ -36,9 +36,10 @@ ENGINE_FLAGS = ["--model", "tiny", "--page-size", "4", "--num-pages", "1024", "-
 PREFILL_FLAGS = ["--chunk-size", "48"]
 DECODE_FLAGS = ["--lease-timeout-s", "3", "--reserve-wait-s", "1"]
 # One router process (its metrics are router0's), whatever `--routers` auto would pick on this
-# host; a test that wants more passes --routers N after these.
+# host; a test that wants more passes --routers N after these. Prefill workers, also on one GPU
+# where --prefill-on-decode auto would start none; a test that wants none passes it after these.
 CLUSTER_FLAGS = [*ENGINE_FLAGS, *PREFILL_FLAGS, *DECODE_FLAGS, "--health-interval-s", "0.5",
-                 "--http-port", "0", "--routers", "1",
+                 "--http-port", "0", "--routers", "1", "--prefill-on-decode", "off",
                  "--internal-token-file", TOKEN_FILE]
 
 

@@ -171,4 +171,4 @@ def test_up_with_prefill_on_decode_starts_no_prefill_worker_and_matches(tiny_run
 
 def test_prefill_on_decode_refuses_prefill_workers_in_one_line():
     _one_line_error(_pdserve("up", "--prefill-on-decode", "--prefill", "2"),
-                    "--prefill-on-decode starts no prefill workers")
+                    "--prefill-on-decode on starts no prefill workers")

@@ -68,6 +68,30 @@ def test_up_has_decode_workers_capture_prompt_graphs_where_they_prefill(flags, p
         assert not prefill.engine.prompt_graphs_on_decode
 
 
+@pytest.mark.parametrize("flags, on", [
+    (["--device", "cuda:0"], True),                  # one prefill and one decode on one GPU
+    (["--device", "cuda:1", "--prefill-on-decode", "auto"], True),
+    (["--device", "cpu"], False),                    # the CPU cluster shows the hand-off
+    (["--device", "cuda:0", "--prefill-on-decode", "off"], False),
+    (["--device", "cpu", "--prefill-on-decode"], True),
+    (["--device", "cuda:0", "--prefill", "1"], False),
+    (["--device", "cuda:0", "--decode", "2"], False),
+    (["--prefill-devices", "cuda:0", "--decode-devices", "cuda:1"], False),
+    (["--device", "cuda:0", "--decode-devices", "cuda:0"], False),
+    (["--device", "cuda:0", "--local-prefill-max-tokens", "256"], False),
+    (["--device", "cuda:0", "--tensor-parallel-size", "2"], False),
+    (["--device", "cuda:0", "--decode-tensor-parallel-size", "2"], False)])
+def test_up_prefills_on_decode_where_one_gpu_would_hold_both_roles(flags, on):
+    """--prefill-on-decode auto: on for one prefill and one decode worker on one GPU and
+    nothing about the workers asked for; the plan's workers and each decode's flags follow."""
+    plan = ClusterPlan.from_args(build_parser().parse_args(["up", "--model", "tiny", *flags]))
+    assert plan.prefill_on_decode() is on
+    assert (plan.worker_count("prefill") == 0) is on
+    decode = role_config("decode", build_parser().parse_args(
+        ["decode", *plan.worker_argv("decode", 0)]))
+    assert decode.engine.prompt_graphs_on_decode is (on or "--local-prefill-max-tokens" in flags)
+
+
 def test_up_splits_gpu_memory_between_workers_sharing_a_gpu():
     args = build_parser().parse_args(["up", "--prefill-devices", "cuda:0",
                                       "--decode-devices", "cuda:0,cuda:1", "--decode", "2",
@@ -156,7 +180,7 @@ def test_up_gives_each_role_its_ranks_and_splits_every_gpu_they_share():
 
 def test_up_resolves_auto_devices_and_router_count_from_the_host(monkeypatch):
     """--device auto shares a GPU only on a host with one (a CPU cluster neither splits memory
-    nor yields to prefill); --routers auto starts one router per 4 cores, at most 4 for each
+    nor yields to prefill, nor prefills on decode); --routers auto starts one router per 4 cores, at most 4 for each
     GPU the workers use, and one on the CPU."""
     import pdserve.cluster_plan as cluster_plan
 
@@ -176,7 +200,8 @@ def test_up_resolves_auto_devices_and_router_count_from_the_host(monkeypatch):
     assert plan_for("--device", "cuda").router_count() == 4
     assert plan_for("--routers", "3").router_count() == 3
     monkeypatch.setattr(cluster_plan, "_host_has_gpu", lambda: True)
-    assert yield_ms(plan_for()) == YIELD_TO_PREFILL_MS
+    assert plan_for().prefill_on_decode() and yield_ms(plan_for()) == 0   # one GPU: no prefill
+    assert yield_ms(plan_for("--prefill-on-decode", "off")) == YIELD_TO_PREFILL_MS
     assert plan_for().router_count() == 4
     assert plan_for("--device", "cpu").router_count() == 1
     monkeypatch.setattr(cluster_plan.os, "cpu_count", lambda: 2)
