@@ -113,7 +113,8 @@ class ClusterPlan:
         for role, index in self._workers():
             check_device(self.device_of(role, index))
         self._check_ranks()
-        check_decode(self.decode)
+        check_decode(dataclasses.replace(self.decode, engine=dataclasses.replace(
+            self.engine, tensor_parallel_size=self.ranks("decode"))))
         check_prefill(self.prefill)
         check_router(self.router)
         local = local_model(self.engine)

@@ -187,6 +187,10 @@ class DecodeConfig:
         "(--local-prefill-max-tokens, --prefill-on-decode), between two decode steps; a longer "
         "prompt continues in the next. Larger: waiting prompts share fewer steps, so first "
         "tokens come sooner while decode waits longer for each")
+    concurrent_prompt_steps: bool = setting(
+        False, "on a GPU, run the steps of the prompts this worker prefills itself on a CUDA "
+        "stream of their own, beside its decode steps instead of between them (one at a time; "
+        "one-GPU workers)")
     disable_local_prefix_cache: bool = setting(
         False, "prompts this worker prefills itself (--local-prefill-max-tokens, "
         "--prefill-on-decode) compute every token instead of reusing the KV pages of the "

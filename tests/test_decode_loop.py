@@ -39,14 +39,16 @@ def _jobs() -> list[tuple[list[int], SamplingParams]]:
 
 async def _decode_all(runner, jobs, overlap: bool, here: bool = False, all_here: bool = False,
                       prefix_cache: bool = False, step_tokens: int = 4096,
+                      concurrent: bool = False,
                       ) -> tuple[dict[str, list[int]], DecodeLoop, ReservationTable]:
     """``here``: every other request (the odd ones) is prefilled by the loop itself;
-    ``all_here``: every request."""
+    ``all_here``: every request; ``concurrent``: its prompt steps launched, and collected on a
+    later turn of the loop (--concurrent-prompt-steps)."""
     table = ReservationTable(runner.pool, 64, 5.0, 60.0, unseen_writes_possible=False,
                              prefix_cache=prefix_cache)
     loop = DecodeLoop(DecodeSteps(runner, MAX_RUNNING), table, MAX_RUNNING,
                       DecodeMetrics("test"), overlap=overlap,
-                      prefill_here_step_tokens=step_tokens)
+                      prefill_here_step_tokens=step_tokens, concurrent_prompt_steps=concurrent)
     task = asyncio.create_task(loop.run())
     outbox = Outbox()
     outputs: dict[str, list[int]] = {}
@@ -101,25 +103,31 @@ def test_decode_loop_matches_single_process(tiny_runner, overlap):
     assert tiny_runner.pool.allocator.num_free == free_before
 
 
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+@pytest.mark.parametrize("overlap, concurrent", [(True, False), (False, False), (True, True)],
+                         ids=["overlap", "no-overlap", "concurrent"])
 @pytest.mark.parametrize("step_tokens", [4096, 7], ids=["whole", "chunked"])
-def test_prompts_prefilled_by_the_loop_match_single_process(tiny_runner, overlap, step_tokens):
-    """Half the requests come whole (prefill_here): the loop prefills them between its steps
-    (in chunks of 7 tokens: a prompt over several steps, several prompts in one) and they
-    decode beside the others, every token as one process gives it."""
+def test_prompts_prefilled_by_the_loop_match_single_process(tiny_runner, overlap, concurrent,
+                                                            step_tokens):
+    """Half the requests come whole (prefill_here): the loop prefills them between its steps,
+    or beside them (concurrent), in chunks of 7 tokens (a prompt over several steps, several
+    prompts in one) or whole, and they decode beside the others, every token as one process
+    gives it."""
     jobs = _jobs()
     free_before = tiny_runner.pool.allocator.num_free
     outputs, loop, table = asyncio.run(_decode_all(tiny_runner, jobs, overlap, here=True,
-                                                   step_tokens=step_tokens))
+                                                   step_tokens=step_tokens,
+                                                   concurrent=concurrent))
     for i, (prompt, params) in enumerate(jobs):
         assert outputs[f"r{i}"] == local.generate(tiny_runner, prompt, params), f"request {i}"
     assert table.held_pages == 0 and loop.num_free_slots == MAX_RUNNING
     assert tiny_runner.pool.allocator.num_free == free_before
 
 
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+@pytest.mark.parametrize("overlap, concurrent", [(True, False), (False, False), (True, True)],
+                         ids=["overlap", "no-overlap", "concurrent"])
 def test_prompts_prefilled_here_take_cached_prefixes_and_match_single_process(tiny_runner,
-                                                                               overlap):
+                                                                               overlap,
+                                                                               concurrent):
     """Every prompt prefilled by the loop, with a prefix cache: prompts sharing a prefix with
     one that ended compute only the rest, and every token is still one process's; the pages
     are free or cached, each once, and the cache gives them back under pressure."""
@@ -132,7 +140,7 @@ def test_prompts_prefilled_here_take_cached_prefixes_and_match_single_process(ti
         jobs.append((prompt, SamplingParams(max_new_tokens=rng.randrange(1, 10), **kind)))
     free_before = tiny_runner.pool.allocator.num_free
     outputs, loop, table = asyncio.run(_decode_all(tiny_runner, jobs, overlap, all_here=True,
-                                                   prefix_cache=True))
+                                                   prefix_cache=True, concurrent=concurrent))
     for i, (prompt, params) in enumerate(jobs):
         assert outputs[f"r{i}"] == local.generate(tiny_runner, prompt, params), f"request {i}"
     assert table.hit_tokens >= 8 * (len(prefixes[0]) // 4 * 4)
@@ -151,23 +159,55 @@ def test_prompts_prefilled_here_take_cached_prefixes_and_match_single_process(ti
     assert allocator.num_free == free_before
 
 
-def test_a_failed_prefill_here_step_fails_its_requests_alone(tiny_runner, monkeypatch):
-    step = tiny_runner.step
+@pytest.mark.parametrize("concurrent", [False, True], ids=["between", "concurrent"])
+def test_a_failed_prefill_here_step_fails_its_requests_alone(tiny_runner, monkeypatch,
+                                                             concurrent):
+    launch = tiny_runner.launch
 
     def broken(seqs, rows, *args, **kwargs):  # noqa: ANN001, ANN202
         if any(s.token_ids == [8, 9, 10, 11] for s in seqs):   # r1's prompt, prefilled here
             raise RuntimeError("prefill kernel failed")
-        return step(seqs, rows, *args, **kwargs)
+        return launch(seqs, rows, *args, **kwargs)
 
     jobs = [([5, 6, 7], SamplingParams(max_new_tokens=4)),
             ([8, 9, 10, 11], SamplingParams(max_new_tokens=4))]
     free_before = tiny_runner.pool.allocator.num_free
-    monkeypatch.setattr(tiny_runner, "step", broken)
-    outputs, _, table = asyncio.run(_decode_all(tiny_runner, jobs, True, here=True))
+    monkeypatch.setattr(tiny_runner, "launch", broken)
+    outputs, _, table = asyncio.run(_decode_all(tiny_runner, jobs, True, here=True,
+                                                concurrent=concurrent))
     monkeypatch.undo()
     assert outputs["r1"] == ["INTERNAL"]
     assert outputs["r0"] == local.generate(tiny_runner, *jobs[0])
     assert table.held_pages == 0 and tiny_runner.pool.allocator.num_free == free_before
+
+
+def test_a_request_cancelled_in_a_launched_prompt_step_keeps_its_pages_until_collected(
+        tiny_runner):
+    """--concurrent-prompt-steps: a prompt step may still write the pages of a request
+    cancelled while it runs, so they are freed only once the step is collected, and the
+    request gets no token."""
+    async def run() -> None:
+        table = ReservationTable(tiny_runner.pool, 64, 5.0, 60.0, unseen_writes_possible=False)
+        loop = DecodeLoop(DecodeSteps(tiny_runner, MAX_RUNNING), table, MAX_RUNNING,
+                          DecodeMetrics("test"), concurrent_prompt_steps=True)
+        prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+        res = await table.reserve("c", len(prompt), 4)
+        table.start_prefill_here("c", prompt)
+        req = DecodeRequest("c", res, SamplingParams(max_new_tokens=4), prompt, [], Outbox(),
+                            prefill_here=True)
+        loop._handle(req)
+        loop._prompt_steps()                 # launched, not collected (decode work may run)
+        assert loop._to_prefill.in_flight is not None and req.in_prompt_step
+        loop._cancel("c")
+        assert loop._to_prefill.in_flight.batch[0][0] is req and req not in loop._output.freed
+        loop._prompt_steps()                 # done: collected, then freed
+        assert loop._to_prefill.in_flight is None and not loop._to_prefill
+        assert req in loop._output.freed and req.generated == []
+        assert not loop._output.prefilled and not loop._output.tokens
+        table.release("c")
+        assert table.held_pages == 0
+
+    asyncio.run(run())
 
 
 def test_stop_id_ends_a_request_early_with_overlap(tiny_runner):

@@ -38,6 +38,10 @@ class AttentionBackend(ABC):
         """Attention of q [tokens, heads, dim] over the pool, the step's own K/V already stored
         (by ``store_kv`` or by a kernel that fuses the store into RoPE)."""
 
+    def own_prompt_workspace(self) -> None:
+        """Gives prompt steps their own scratch memory where decode's steps share it with them
+        (they are about to run beside each other); nothing to do where none is shared."""
+
     # CUDA graphs: backends that support capture override these.
     def init_capture_graph(self, max_seq_len: int, bs_list: list[int]) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")

@@ -122,8 +122,17 @@ class FlashInferBackend(AttentionBackend):
         self._scales = [{"k_scale": pool.k_scales[layer], "v_scale": pool.v_scales[layer]}
                         if pool.quantized else {} for layer in range(pool.layout.num_layers)]
         self.graph_wrappers: dict[int, Any] = {}
+        # The last plan's upload, decode's and prompt steps' apart (each wrapper stages its own).
         self._planned = torch.cuda.Event()
         self._planned.record()
+        self._prompt_planned = torch.cuda.Event()
+        self._prompt_planned.record()
+
+    def own_prompt_workspace(self) -> None:
+        """Prompt steps plan into a workspace of their own, so they may run beside decode's."""
+        self.prefill_wrapper = self._fi.BatchPrefillWithPagedKVCacheWrapper(
+            torch.zeros_like(self.workspace), "NHD",
+            backend="fa2" if self.pool.quantized else "auto")
 
     def tensor_cores(self, batch_size: int) -> bool:
         """Whether a decode step of ``batch_size`` rows runs on tensor cores."""
@@ -171,12 +180,12 @@ class FlashInferBackend(AttentionBackend):
             batch.attn_metadata = wrapper
             return
         indptr, indices, last = self._paged_kv(batch)
-        self._planned.synchronize()
+        self._prompt_planned.synchronize()
         self.prefill_wrapper.plan(batch.cu_seqlens_q_cpu, indptr, indices, last, self.num_heads,
                                   self.pool.layout.num_kv_heads, self.head_dim, batch.page_size,
                                   causal=True, sm_scale=self.scale, q_data_type=self.q_dtype,
                                   kv_data_type=self.pool.tensor.dtype)
-        self._planned.record()
+        self._prompt_planned.record()
         batch.attn_metadata = self.prefill_wrapper
 
     def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
