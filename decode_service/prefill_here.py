@@ -104,6 +104,11 @@ class PrefillHereQueue:
                 launched = self.runner.launch(seqs, rows)
         except Exception:
             log.exception("prefill-here step failed; ending its requests")
+            if self._stream is not None:   # what it enqueued may still write their pages
+                try:
+                    self._stream.synchronize()
+                except Exception:  # noqa: BLE001 - the device is broken; free them anyway
+                    log.exception("prompt stream did not settle after a failed step")
             return self._drop(batch)
         for req, _, _ in batch:
             req.in_prompt_step = True
