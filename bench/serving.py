@@ -661,7 +661,21 @@ def one_line(label: str, row: dict[str, Any]) -> str:
             f"{row['output_throughput_tok_s'] or 0:.1f} out tok/s{goodput} | "
             + " | ".join(f"{name} p50 {_ms(row[key]['p50'])} p99 {_ms(row[key]['p99'])} ms"
                          for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"),
-                                           ("ITL", "itl_ms"), ("e2e", "e2e_ms"))))
+                                           ("ITL", "itl_ms"), ("e2e", "e2e_ms")))
+            + _grouped(row))
+
+
+# More tokens a message than a router that falls behind groups (--max-stream-interval).
+GROUPED_TOKENS = 16
+
+
+def _grouped(row: dict[str, Any]) -> str:
+    """A warning where messages carry many tokens each: ITL is then a message's, not a token's
+    (most often a tokenizer that gives the sampled ids no text: bench/vocab_tokenizer.py)."""
+    if (row.get("tokens_per_chunk") or 0) <= GROUPED_TOKENS:
+        return ""
+    return (f" | {row['tokens_per_chunk']:.0f} tokens a message: ITL is per message (ids "
+            "without text? bench/vocab_tokenizer.py)")
 
 
 # What several targets set side by side: (key in the JSON's comparison, name printed, the summary's

@@ -180,10 +180,10 @@ class DecodeConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     max_running_requests: int = setting(256, "largest decode batch")
-    # Bounds how long such a step holds decode back; 1,024 gave later first tokens and no faster
-    # tokens under live traffic (bench/results/h100-prefill-here-steps).
+    # Bounds how long such a step holds decode back; smaller gave later first tokens and no
+    # faster tokens (bench/results/h100-prefill-here-steps, h100-step-tokens-and-text).
     prefill_here_step_tokens: int = setting(
-        4096, "most prompt tokens a step of the prompts this worker prefills itself takes "
+        8192, "most prompt tokens a step of the prompts this worker prefills itself takes "
         "(--local-prefill-max-tokens, --prefill-on-decode), between two decode steps; a longer "
         "prompt continues in the next. Larger: waiting prompts share fewer steps, so first "
         "tokens come sooner while decode waits longer for each")

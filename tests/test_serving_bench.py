@@ -193,3 +193,48 @@ def test_wrong_flags_are_one_line(bench, flags, message, capsys):
         bench.parse_args(flags)
     assert exited.value.code == 2
     assert message in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_vocab_tokenizer_gives_every_id_its_own_text(tmp_path):
+    # make_model.py's folders: a 1,000-token BPE beside a far larger vocabulary, whose sampled
+    # ids decode to nothing; after the script each id is one word, and the specials keep theirs.
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer
+
+    from pdserve.tokenizer import load_tokenizer
+    from router.output import IncrementalDetokenizer
+    old = Tokenizer(models.BPE(unk_token=None))
+    old.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    old.decoder = decoders.ByteLevel()
+    old.train_from_iterator(["the quick brown fox %d" % i for i in range(50)], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    old.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}))
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 5000}))
+    assert load_tokenizer(str(tmp_path)).decode([4000, 4999]) == ""
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "vocab_tokenizer.py"),
+                          str(tmp_path)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    tok = load_tokenizer(str(tmp_path))
+    ids = [5, 4000, 4999, 1234, 0, 77]
+    detok = IncrementalDetokenizer(tok, [3])
+    assert [detok.push(i) for i in ids] == [" t5", " t4000", " t4999", " t1234", "", " t77"]
+    assert tok.decode([0, 2, 9]) == "t9"   # the specials: skipped, at their old ids
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))   # as peers load it
+    assert hf.eos_token_id == 0 and hf.decode([5, 4000]) == "t5 t4000"
+    assert len(hf) == 5000
+
+
+def test_vocab_tokenizer_without_a_folder_is_one_line(tmp_path):
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "vocab_tokenizer.py"),
+                          str(tmp_path / "nowhere")], capture_output=True, text=True)
+    assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1, run.stderr
+
+
+def test_messages_of_many_tokens_are_flagged(bench):
+    assert bench._grouped({"tokens_per_chunk": 1.004}) == ""
+    assert bench._grouped({"tokens_per_chunk": 16.0}) == ""   # a router that falls behind
+    flagged = bench._grouped({"tokens_per_chunk": 99.522})
+    assert "100 tokens a message" in flagged and "vocab_tokenizer.py" in flagged
