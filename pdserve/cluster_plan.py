@@ -23,7 +23,7 @@ from pdserve.config import (
     RouterConfig,
 )
 from pdserve.errors import ConfigError
-from pdserve.settings import from_args, to_argv
+from pdserve.settings import changed, flag_name, from_args, to_argv
 
 # Router settings `up` sets itself.
 ROUTER_SET_BY_LAUNCHER = ("model", "revision", "served_model_name", "max_model_len", "http_port",
@@ -138,15 +138,23 @@ class ClusterPlan:
         one prefill and one decode worker sharing one GPU, nothing about the workers asked
         for. Two processes time-slice that GPU, and each pays for every switch; one process
         prefilling between its decode steps met SGLang's latency under live traffic where the
-        two did not, at 2-10% of the all-at-once burst (bench/results/h100-one-gpu-default/)."""
+        two did not, at 2-10% of the all-at-once burst (bench/results/h100-one-gpu-default/).
+        A prefill worker's own settings given (--chunk-size, ...) ask for one."""
         value = self.launcher.prefill_on_decode
         if value != "auto":
             return value == "on"
         launcher = self.launcher
         asked = (launcher.prefill or launcher.decode or launcher.prefill_devices
                  or launcher.decode_devices or self.router.local_prefill_max_tokens > 0
-                 or self.ranks("prefill") != 1 or self.ranks("decode") != 1)
+                 or self.ranks("prefill") != 1 or self.ranks("decode") != 1
+                 or self.prefill_worker_flags())
         return not asked and bool(_gpu(self.engine.device))
+
+    def prefill_worker_flags(self) -> list[str]:
+        """The flags given that only a prefill worker takes (a decode worker has no such
+        setting), where they differ from their defaults."""
+        decode = {f.name for f in dataclasses.fields(DecodeConfig)}
+        return [flag_name(name) for name in changed(self.prefill) if name not in decode]
 
     def worker_count(self, role: str) -> int:
         """--prefill/--decode, or under auto (0) one worker per device of --ROLE-devices (1
@@ -158,6 +166,12 @@ class ClusterPlan:
             if count or devices:
                 raise ConfigError("--prefill-on-decode on starts no prefill workers: leave out "
                                   f"--prefill{' and --prefill-devices' if devices else ''}")
+            flags = self.prefill_worker_flags()
+            if flags:
+                raise ConfigError("--prefill-on-decode on starts no prefill workers to take "
+                                  f"{', '.join(flags)}: leave {'it' if len(flags) == 1 else 'them'}"
+                                  " out (the decode worker's own prompts: "
+                                  "--prefill-here-step-tokens, --disable-local-prefix-cache)")
             return 0
         if count < 0:
             raise ConfigError(f"--{role} {count}: give a number of {role} workers, or 0 (auto)")

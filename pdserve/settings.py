@@ -34,6 +34,11 @@ def _default(f: dataclasses.Field) -> Any:
     return f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
 
 
+def changed(config: Any) -> list[str]:
+    """The names of ``config``'s settings that differ from their defaults."""
+    return [f.name for f, _ in _settings(type(config)) if getattr(config, f.name) != _default(f)]
+
+
 def flags_of(cls: type, skip: Iterable[str] = ()) -> list[str]:
     """The flag names of ``cls``'s settings (without nested configs)."""
     return [flag_name(f.name) for f, _ in _settings(cls) if f.name not in set(skip)]

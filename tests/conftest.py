@@ -37,10 +37,19 @@ PREFILL_FLAGS = ["--chunk-size", "48"]
 DECODE_FLAGS = ["--lease-timeout-s", "3", "--reserve-wait-s", "1"]
 # One router process (its metrics are router0's), whatever `--routers` auto would pick on this
 # host; a test that wants more passes --routers N after these. Prefill workers, also on one GPU
-# where --prefill-on-decode auto would start none; a test that wants none passes it after these.
-CLUSTER_FLAGS = [*ENGINE_FLAGS, *PREFILL_FLAGS, *DECODE_FLAGS, "--health-interval-s", "0.5",
+# where --prefill-on-decode auto would start none; a test that wants none passes it after these
+# (and then gets no PREFILL_FLAGS: `up` refuses a prefill worker's settings with no such worker).
+CLUSTER_FLAGS = [*ENGINE_FLAGS, *DECODE_FLAGS, "--health-interval-s", "0.5",
                  "--http-port", "0", "--routers", "1", "--prefill-on-decode", "off",
                  "--internal-token-file", TOKEN_FILE]
+
+
+def _prefill_on_decode(extra: list[str]) -> bool:
+    """Whether ``extra`` turns --prefill-on-decode on or back to auto (bare: on)."""
+    if "--prefill-on-decode" not in extra:
+        return False
+    at = extra.index("--prefill-on-decode") + 1
+    return at == len(extra) or extra[at] in ("on", "auto") or extra[at].startswith("--")
 
 
 def free_port() -> int:
@@ -122,7 +131,9 @@ def pages_at_rest(info: worker_pb2.WorkerInfo) -> bool:
 
 def start_cluster(extra: list[str] | None = None, timeout_s: float = 120.0) -> Cluster:
     port = free_port()
-    cmd = [sys.executable, "-m", "pdserve", "up", "--port", str(port), *CLUSTER_FLAGS, *(extra or [])]
+    extra = extra or []
+    cmd = [sys.executable, "-m", "pdserve", "up", "--port", str(port), *CLUSTER_FLAGS,
+           *([] if _prefill_on_decode(extra) else PREFILL_FLAGS), *extra]
     process = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
     cluster = Cluster(process, f"127.0.0.1:{port}", {"prefill": [], "decode": [], "router": []})

@@ -172,3 +172,10 @@ def test_up_with_prefill_on_decode_starts_no_prefill_worker_and_matches(tiny_run
 def test_prefill_on_decode_refuses_prefill_workers_in_one_line():
     _one_line_error(_pdserve("up", "--prefill-on-decode", "--prefill", "2"),
                     "--prefill-on-decode on starts no prefill workers")
+
+
+def test_prefill_on_decode_refuses_a_prefill_workers_settings_in_one_line():
+    # Taken by no process, they would change nothing: the error names them and what to use.
+    _one_line_error(_pdserve("up", "--prefill-on-decode", "--chunk-size", "512",
+                             "--schedule-policy", "lof"),
+                    "to take --chunk-size, --schedule-policy: leave them out")
