@@ -298,7 +298,8 @@ class LauncherConfig:
         "prefill workers; auto: on where the whole cluster would be one prefill and one decode "
         "worker sharing one GPU (no --prefill, --decode, --prefill-devices, --decode-devices, "
         "tensor parallelism, --local-prefill-max-tokens or a prefill worker's setting such as "
-        "--chunk-size given), else off. The flag alone means on", choices=("auto", "on", "off"), nargs="?", const="on")
+        "--chunk-size given), else off. The flag alone means on",
+        choices=("auto", "on", "off"), nargs="?", const="on")
     routers: int = setting(0, "router processes, sharing the public ports: one Python process "
                            "relays every streamed message of its clients, and at about 10k "
                            "tokens/s it saturates a core; 0 (auto): 1 where the workers run on "
