@@ -45,11 +45,10 @@ CLUSTER_FLAGS = [*ENGINE_FLAGS, *DECODE_FLAGS, "--health-interval-s", "0.5",
 
 
 def _prefill_on_decode(extra: list[str]) -> bool:
-    """Whether ``extra`` turns --prefill-on-decode on or back to auto (bare: on)."""
-    if "--prefill-on-decode" not in extra:
-        return False
-    at = extra.index("--prefill-on-decode") + 1
-    return at == len(extra) or extra[at] in ("on", "auto") or extra[at].startswith("--")
+    """Whether ``extra`` turns --prefill-on-decode on or back to auto, as `up` parses it."""
+    from pdserve.cli import build_parser
+
+    return build_parser().parse_args(["up", *CLUSTER_FLAGS, *extra]).prefill_on_decode != "off"
 
 
 def free_port() -> int:

@@ -119,7 +119,7 @@ def test_up_splits_gpu_memory_between_workers_sharing_a_gpu():
     args.yield_to_prefill_ms = 40.0   # given explicitly, it is what every decode worker gets
     plan = ClusterPlan.from_args(args)
     assert config_of("decode", 0).yield_to_prefill_ms == config_of("decode", 1).yield_to_prefill_ms == 40
-    assert config_of("decode", 1).prefill_here_step_tokens == 8192
+    assert config_of("decode", 1).prefill_here_step_tokens == DecodeConfig.prefill_here_step_tokens
     args.prefill_here_step_tokens = 2048
     plan = ClusterPlan.from_args(args)
     assert config_of("decode", 0).prefill_here_step_tokens == 2048
