@@ -90,11 +90,11 @@ def from_args(cls: type[T], args: argparse.Namespace, **nested: Any) -> T:
 def to_argv(config: Any, skip: Iterable[str] = ()) -> list[str]:
     """The flags that give a process ``config``'s settings (those that differ from the
     defaults; nested configs are not included)."""
-    skipped = set(skip)
+    given = set(changed(config)) - set(skip)
     argv: list[str] = []
     for f, kind in _settings(type(config)):
         value = getattr(config, f.name)
-        if f.name in skipped or value == _default(f):
+        if f.name not in given:
             continue
         if kind is bool:
             argv.append(flag_name(f.name) if value else "--no-" + f.name.replace("_", "-"))
