@@ -113,6 +113,9 @@ def main() -> None:
                         help="fp8: the preset's linear layers in FP8 (FP8 GEMMs)")
     parser.add_argument("--kv-cache-dtype", default="auto",
                         choices=("auto", "bfloat16", "fp8_e4m3"))
+    parser.add_argument("--tensor-core-min-batch", type=int, default=-1, metavar="N",
+                        help="decode attention on tensor cores from batch N whatever the head "
+                             "grouping (fi.TENSOR_CORE_MIN_BATCH; default the backend's rule)")
     parser.add_argument("--out", default="bench/results/decode.json")
     args = parser.parse_args()
     try:
@@ -123,6 +126,10 @@ def main() -> None:
     if args.moe_direct_max >= 0:   # before the graphs are captured
         from pdserve.models import moe_kernel
         moe_kernel.DIRECT_MAX_ASSIGNMENTS = args.moe_direct_max
+    if args.tensor_core_min_batch >= 0:
+        from pdserve.attention import fi
+        fi.TENSOR_CORE_MIN_GROUP = 1 << 30
+        fi.TENSOR_CORE_MIN_BATCH = args.tensor_core_min_batch
     pages_per_seq = -(-(args.context + 1) // args.page_size)
     runner = ModelRunner(EngineConfig(model=model, page_size=args.page_size,
                                       num_pages=max(sizes) * pages_per_seq + 64,

@@ -52,10 +52,17 @@ def gemv_shapes(runner: ModelRunner, bandwidth: float, iters: int = 200) -> list
     """Each distinct linear weight of layer 0 and the LM head at one token, alone."""
     model = runner.model
     layer = model.layers[0]
-    weights = {"qkv_proj": layer.self_attn.qkv_proj.weight, "o_proj": layer.self_attn.o_proj.weight,
-               "gate_up_proj": layer.mlp.gate_up_proj.weight, "down_proj": layer.mlp.down_proj.weight,
-               "lm_head": (model.embed_tokens.weight if model.config.tie_word_embeddings
-                           else model.lm_head.weight)}
+    weights = {"qkv_proj": layer.self_attn.qkv_proj.weight, "o_proj": layer.self_attn.o_proj.weight}
+    experts = getattr(layer.mlp, "experts", None)
+    if experts is None:
+        weights.update(gate_up_proj=layer.mlp.gate_up_proj.weight,
+                       down_proj=layer.mlp.down_proj.weight)
+    else:   # a mixture of experts: its router and one expert's matrices
+        weights.update(router=layer.mlp.gate.weight, expert_gate_up=experts.gate_up_proj[0],
+                       expert_down=experts.down_proj[0])
+    weights["lm_head"] = (model.embed_tokens.weight if model.config.tie_word_embeddings
+                          else model.lm_head.weight)
+    weights = {name: w for name, w in weights.items() if w.dtype in (torch.bfloat16, torch.float16)}
     rows = []
     for name, w in weights.items():
         x = torch.randn(1, w.shape[1], device=w.device, dtype=w.dtype)

@@ -138,6 +138,8 @@ def test_one_launch_routing_matches_its_torch_statement(tokens, experts, top_k):
     torch.testing.assert_close(probs.gather(1, picked.long()), want_weights)
     assert (picked.sort(dim=1).values.diff(dim=1) > 0).all()   # k distinct experts
     torch.testing.assert_close(weights, want_weights / want_weights.sum(-1, keepdim=True))
+    rounded, _ = route_top_k(logits, top_k, renormalize=True, dtype=torch.bfloat16)
+    assert torch.equal(rounded, weights.bfloat16())   # rounded in the kernel as .to() rounds
 
 
 def _experts(num: int, hidden: int, inter: int, fp8_cols: int | None, seed: int):

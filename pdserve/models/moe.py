@@ -179,8 +179,8 @@ class SparseMoeBlock(nn.Module):
         the router's logits in float32, top-k, renormalised where the family says."""
         logits = ctx.linear(self.gate, x)
         if ctx.ops.has_fused_experts and x.is_cuda:
-            weights, chosen = ctx.ops.route_top_k(logits, self.top_k, self.norm_topk_prob)
-            return weights if self.float32_routing_weights else weights.to(x.dtype), chosen
+            return ctx.ops.route_top_k(logits, self.top_k, self.norm_topk_prob,
+                                       torch.float32 if self.float32_routing_weights else x.dtype)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:

@@ -182,16 +182,18 @@ def _route(logits, weights, chosen, stride, EXPERTS: tl.constexpr, EXPERTS_P: tl
         p = tl.where(experts == pick, -1.0, p)
     if RENORMALIZE:
         values = values / tl.sum(values, axis=0)
-    tl.store(weights + token * TOP_K + slots, values, mask=slots < TOP_K)
+    tl.store(weights + token * TOP_K + slots, values.to(weights.dtype.element_ty),
+             mask=slots < TOP_K)
     tl.store(chosen + token * TOP_K + slots, picks, mask=slots < TOP_K)
 
 
-def route_top_k(logits: torch.Tensor, top_k: int,
-                renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's top-k softmax probabilities (float32) and experts (int32), [tokens, top_k]:
-    moe.SparseMoeBlock.route's softmax, topk and division in one launch."""
+def route_top_k(logits: torch.Tensor, top_k: int, renormalize: bool,
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's top-k softmax probabilities (computed in float32, stored as ``dtype``) and
+    experts (int32), [tokens, top_k]: moe.SparseMoeBlock.route's softmax, topk, division and
+    rounding in one launch."""
     tokens, experts = logits.shape
-    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+    weights = torch.empty(tokens, top_k, dtype=dtype, device=logits.device)
     chosen = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
     if tokens:
         _route[(tokens,)](logits, weights, chosen, logits.stride(0), EXPERTS=experts,
@@ -305,13 +307,13 @@ def _direct_gate_up(x, w, h, chosen, w_scale, inter, K, top_k, stride_xm, stride
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(rows, inter - 1)   # a last, partial block recomputes the last row
     x_row = x + (assignment // top_k).to(tl.int64) * stride_xm
-    gate_rows = w + expert * stride_we + rows.to(tl.int64) * stride_wn
-    gate_scales = w_scale + expert * stride_se + rows * stride_sn
-    gate = _row_products(x_row, gate_rows, K, gate_scales, scale_cols, W_SCALES, BLOCK_N,
-                         BLOCK_K)
-    up = _row_products(x_row, gate_rows + inter * stride_wn, K,
-                       gate_scales + inter * stride_sn, scale_cols, W_SCALES, BLOCK_N,
-                       BLOCK_K)
+    # Each gate row beside its up row, read in one pass: both loads in flight together.
+    pairs = tl.arange(0, 2 * BLOCK_N)
+    w_rows = tl.minimum(tl.program_id(1) * BLOCK_N + pairs // 2, inter - 1) + (pairs % 2) * inter
+    both = _row_products(x_row, w + expert * stride_we + w_rows.to(tl.int64) * stride_wn, K,
+                         w_scale + expert * stride_se + w_rows * stride_sn, scale_cols,
+                         W_SCALES, 2 * BLOCK_N, BLOCK_K)
+    gate, up = tl.split(tl.reshape(both, [BLOCK_N, 2]))
     # Rounded as the grouped GEMM's output is, then SiLU-and-mul in float32.
     gate = gate.to(h.dtype.element_ty).to(tl.float32)
     up = up.to(h.dtype.element_ty).to(tl.float32)
@@ -328,7 +330,7 @@ def _direct_down_sum(h, w, out, chosen, weights, hidden, inter, stride_hm, strid
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(rows, hidden - 1)
     total = tl.zeros([BLOCK_N], tl.float32)
-    for slot in range(TOP_K):
+    for slot in tl.static_range(TOP_K):   # unrolled: every expert's rows read at once
         assignment = token * TOP_K + slot
         expert = tl.load(chosen + assignment).to(tl.int64)
         y = _row_products(h + assignment * stride_hm,
