@@ -110,7 +110,8 @@ class DecodeLoop:
                  yield_to_prefill_s: float = 0.0,
                  prefill_watch: PrefillWatch | None = None,
                  prefill_here_step_tokens: int = PREFILL_HERE_STEP_TOKENS,
-                 concurrent_prompt_steps: bool = False) -> None:
+                 concurrent_prompt_steps: bool = False,
+                 prefill_here_join_tokens: int = 0) -> None:
         self.steps = steps
         self.table = table
         self.max_running = min(max_running, steps.slots.max_slots)
@@ -126,7 +127,8 @@ class DecodeLoop:
         self._running: dict[str, DecodeRequest] = {}
         self._waiting: deque[DecodeRequest] = deque()
         self._to_prefill = PrefillHereQueue(steps.runner, metrics,   # prefill_here prompts
-                                            prefill_here_step_tokens, concurrent_prompt_steps)
+                                            prefill_here_step_tokens, concurrent_prompt_steps,
+                                            prefill_here_join_tokens)
         self._retiring: list[DecodeRequest] = []     # done, but in a step not yet collected
         self._free_slots = list(range(steps.slots.max_slots - 1, -1, -1))
         self._joins: list[SlotJoin] = []

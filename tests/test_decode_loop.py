@@ -39,7 +39,7 @@ def _jobs() -> list[tuple[list[int], SamplingParams]]:
 
 async def _decode_all(runner, jobs, overlap: bool, here: bool = False, all_here: bool = False,
                       prefix_cache: bool = False, step_tokens: int = 4096,
-                      concurrent: bool = False,
+                      concurrent: bool = False, join_tokens: int = 0,
                       ) -> tuple[dict[str, list[int]], DecodeLoop, ReservationTable]:
     """``here``: every other request (the odd ones) is prefilled by the loop itself;
     ``all_here``: every request; ``concurrent``: its prompt steps launched, and collected on a
@@ -48,7 +48,8 @@ async def _decode_all(runner, jobs, overlap: bool, here: bool = False, all_here:
                              prefix_cache=prefix_cache)
     loop = DecodeLoop(DecodeSteps(runner, MAX_RUNNING), table, MAX_RUNNING,
                       DecodeMetrics("test"), overlap=overlap,
-                      prefill_here_step_tokens=step_tokens, concurrent_prompt_steps=concurrent)
+                      prefill_here_step_tokens=step_tokens, concurrent_prompt_steps=concurrent,
+                      prefill_here_join_tokens=join_tokens)
     task = asyncio.create_task(loop.run())
     outbox = Outbox()
     outputs: dict[str, list[int]] = {}
@@ -105,18 +106,20 @@ def test_decode_loop_matches_single_process(tiny_runner, overlap):
 
 @pytest.mark.parametrize("overlap, concurrent", [(True, False), (False, False), (True, True)],
                          ids=["overlap", "no-overlap", "concurrent"])
-@pytest.mark.parametrize("step_tokens", [4096, 7], ids=["whole", "chunked"])
+@pytest.mark.parametrize("step_tokens, join_tokens", [(4096, 0), (7, 0), (4096, 1)],
+                         ids=["whole", "chunked", "one-prompt-a-step"])
 def test_prompts_prefilled_by_the_loop_match_single_process(tiny_runner, overlap, concurrent,
-                                                            step_tokens):
+                                                            step_tokens, join_tokens):
     """Half the requests come whole (prefill_here): the loop prefills them between its steps,
     or beside them (concurrent), in chunks of 7 tokens (a prompt over several steps, several
-    prompts in one) or whole, and they decode beside the others, every token as one process
-    gives it."""
+    prompts in one), whole, or a prompt a step (--prefill-here-join-tokens 1), and they decode
+    beside the others, every token as one process gives it."""
     jobs = _jobs()
     free_before = tiny_runner.pool.allocator.num_free
     outputs, loop, table = asyncio.run(_decode_all(tiny_runner, jobs, overlap, here=True,
                                                    step_tokens=step_tokens,
-                                                   concurrent=concurrent))
+                                                   concurrent=concurrent,
+                                                   join_tokens=join_tokens))
     for i, (prompt, params) in enumerate(jobs):
         assert outputs[f"r{i}"] == local.generate(tiny_runner, prompt, params), f"request {i}"
     assert table.held_pages == 0 and loop.num_free_slots == MAX_RUNNING
@@ -305,3 +308,19 @@ def test_decode_holds_back_only_while_a_prefill_step_runs_on_its_gpu(tiny_runner
         watch.close()
         activity.close()
         shutil.rmtree(share_dir(gpu), ignore_errors=True)
+
+
+@pytest.mark.parametrize("waiting, step_tokens, join_tokens, counts", [
+    ([300, 500, 200], 8192, 0, [300, 500, 200]),    # every waiting prompt joins
+    ([5000, 5000], 8192, 0, [5000, 3192]),          # up to the step, the last in part
+    ([300, 500, 200], 8192, 1, [300]),              # a prompt a step
+    ([100, 100, 400, 50], 8192, 256, [100, 100, 400]),   # short ones share a step up to 256
+    ([9000], 8192, 256, [8192]),                    # a long prompt alone, chunked as ever
+    ([4000, 3000, 2000], 8192, 256, [4000, 3000, 1192]),   # a backlog fills the step
+    ([], 8192, 256, []),
+])
+def test_a_prompt_step_takes_prompts_up_to_its_join_tokens(waiting, step_tokens, join_tokens,
+                                                           counts):
+    from decode_service.prefill_here import plan_step
+
+    assert plan_step(waiting, step_tokens, join_tokens) == counts
