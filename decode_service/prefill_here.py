@@ -9,8 +9,10 @@ their KV going straight into their reservations; a prompt whose last chunk this 
 token, sampled as a prefill worker samples it, and joins the decode batch like any other.
 Under ``--prefill-here-join-tokens N`` a waiting prompt joins a step only while the step holds
 fewer than N tokens, unless the waiting prompts add up to more than a step (a backlog, as in a
-burst, fills every step): prompts that arrive together then get their first tokens one after
-another, the first without waiting for the others' (`plan_step`).
+burst, fills every step; `plan_step`); the prompts left out run in further steps right after,
+up to ``--prefill-here-step-tokens`` in all between two decode steps. Prompts that arrive
+together then get their first tokens one after another, the first without waiting for the
+others' compute, and decode waits no longer than before.
 Under ``--concurrent-prompt-steps`` that step runs beside the decode steps instead, on a stream
 of its own, and the loop collects it once the GPU is done with it.
 """
@@ -107,11 +109,12 @@ class PrefillHereQueue:
     def remove(self, req: DecodeRequest) -> None:
         self._queue.remove(req)
 
-    def launch(self) -> list[DecodeRequest]:
-        """Launches one step over the queue's first prompts, up to the step's tokens; returns
-        the requests of a launch that failed (they leave the queue), else none."""
+    def launch(self, budget: int | None = None) -> list[DecodeRequest]:
+        """Launches one step over the queue's first prompts, up to ``budget`` tokens (default:
+        the step's); returns the requests of a launch that failed (they leave the queue), else
+        none."""
         counts = plan_step([len(r.prompt_ids) - r.prefilled for r in self._queue],
-                           self.step_tokens, self.join_tokens)
+                           self.step_tokens if budget is None else budget, self.join_tokens)
         # request, first position, tokens
         batch = [(req, req.prefilled, n) for req, n in zip(self._queue, counts)]
         seqs = [SeqInput(r.prompt_ids[start:start + n], start, r.reservation.pages)
@@ -157,10 +160,15 @@ class PrefillHereQueue:
                 done.append((req, token))
         return done, []
 
-    def step(self) -> tuple[list[tuple[DecodeRequest, int]], list[DecodeRequest]]:
-        """One step, launched and collected (see collect)."""
-        failed = self.launch()
-        return self.collect() if self.in_flight is not None else ([], failed)
+    def step(self, budget: int | None = None
+             ) -> tuple[list[tuple[DecodeRequest, int]], list[DecodeRequest], int]:
+        """One step of up to ``budget`` tokens, launched and collected: collect's two lists,
+        and the prompt tokens the step took (0 if its launch failed)."""
+        failed = self.launch(budget)
+        if self.in_flight is None:
+            return [], failed, 0
+        tokens = sum(n for _, _, n in self.in_flight.batch)
+        return *self.collect(), tokens
 
     def _drop(self, batch: list[tuple[DecodeRequest, int, int]]) -> list[DecodeRequest]:
         dropped = [req for req, _, _ in batch if not req.done]

@@ -215,7 +215,6 @@ class DecodeLoop:
                 self._prompt_steps()
             elif self._to_prefill:
                 self._prefill_here()
-                self._hand_over()   # first tokens out now, not after the next decode step
             self._admit()
             # Yielding, the step in flight is still collected (its tokens go out); none follows.
             step = None if self._yield.left() > 0 else self._plan()
@@ -316,9 +315,19 @@ class DecodeLoop:
             self._retire(req)
 
     def _prefill_here(self) -> None:
-        """One prefill-here step; the prompts it completed join the batch with their first
-        token (or finish with it)."""
-        self._prefilled(*self._to_prefill.step())
+        """Prefill-here steps between two decode steps: one, or under --prefill-here-join-tokens
+        several back to back, up to the step's tokens in all. The prompts each completed join
+        the batch with their first token (or finish with it), sent out at once, not after the
+        next decode step."""
+        prompts = self._to_prefill
+        budget = prompts.step_tokens
+        while prompts and budget > 0:
+            done, failed, tokens = prompts.step(budget)
+            self._prefilled(done, failed)
+            self._hand_over()
+            budget -= tokens
+            if not prompts.join_tokens or not tokens:
+                break
 
     def _prompt_steps(self) -> None:
         """Concurrent prompt steps: collects the one launched once it is done (or at once when

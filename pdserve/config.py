@@ -192,9 +192,10 @@ class DecodeConfig:
     prefill_here_join_tokens: int = setting(
         0, "a prompt this worker prefills itself joins a step only while the step holds fewer "
         "than this many tokens, unless the waiting prompts add up to more than a step (a "
-        "backlog fills every step): prompts that arrive together get their first tokens one "
-        "after another instead of all at the end of one step (0: every waiting prompt joins, "
-        "up to --prefill-here-step-tokens)")
+        "backlog fills every step); those left out run in steps right after it, up to "
+        "--prefill-here-step-tokens in all between two decode steps, so prompts that arrive "
+        "together get their first tokens one after another instead of all at the end of one "
+        "step (0: every waiting prompt joins, up to --prefill-here-step-tokens)")
     concurrent_prompt_steps: bool = setting(
         False, "on a GPU, run the steps of the prompts this worker prefills itself on a CUDA "
         "stream of their own, beside its decode steps instead of between them (one at a time; "

@@ -324,3 +324,44 @@ def test_a_prompt_step_takes_prompts_up_to_its_join_tokens(waiting, step_tokens,
     from decode_service.prefill_here import plan_step
 
     assert plan_step(waiting, step_tokens, join_tokens) == counts
+
+
+class _StubPrompts:
+    """A PrefillHereQueue stand-in: prompts of the given sizes, each step's budget recorded."""
+
+    def __init__(self, sizes: list[int], step_tokens: int, join_tokens: int) -> None:
+        from decode_service.prefill_here import plan_step
+
+        self.plan_step, self.sizes = plan_step, list(sizes)
+        self.step_tokens, self.join_tokens, self.concurrent = step_tokens, join_tokens, False
+        self.budgets: list[int] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.sizes)
+
+    def step(self, budget: int):
+        self.budgets.append(budget)
+        counts = self.plan_step(self.sizes, budget, self.join_tokens)
+        for i, n in enumerate(counts):
+            self.sizes[i] -= n
+        self.sizes = [left for left in self.sizes if left]
+        return [], [], sum(counts)
+
+
+@pytest.mark.parametrize("sizes, join_tokens, budgets, left", [
+    ([300, 500, 200], 0, [8192], []),                        # one step takes them all
+    ([300, 500, 200], 1, [8192, 7892, 7392], []),            # a prompt a step, back to back
+    ([3000, 3000, 3000], 1, [8192], [808]),                  # a backlog: one full step
+    ([5000, 2000, 1000], 1, [8192, 3192, 1192], []),         # each with what is left
+])
+def test_prompt_steps_between_two_decode_steps_stay_within_the_step_tokens(
+        tiny_runner, sizes, join_tokens, budgets, left):
+    """Under --prefill-here-join-tokens the prompts that did not join a step run in steps right
+    after it, before the next decode step, up to --prefill-here-step-tokens in all."""
+    table = ReservationTable(tiny_runner.pool, 64, 5.0, 60.0, unseen_writes_possible=False)
+    loop = DecodeLoop(DecodeSteps(tiny_runner, MAX_RUNNING), table, MAX_RUNNING,
+                      DecodeMetrics("test"))
+    loop._to_prefill = prompts = _StubPrompts(sizes, 8192, join_tokens)
+    loop._prefill_here()
+    assert prompts.budgets == budgets
+    assert prompts.sizes == left
