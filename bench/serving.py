@@ -592,6 +592,22 @@ def percentiles(values: list[float], scale: float = 1e3) -> dict[str, float | No
     return {k: round(v * scale, 3) for k, v in row.items()}
 
 
+# First tokens closer together than this came out of one prompt step (a step takes milliseconds).
+SAME_STEP_S = 0.001
+
+
+def first_token_shared(results: list[Result]) -> float | None:
+    """The share of requests whose first token came within SAME_STEP_S of another's: prompts
+    prefilled in one step, the earlier ones waiting for the later ones' compute."""
+    firsts = sorted(r.sent_s + r.ttft_s for r in results if not r.error and r.ttft_s is not None)
+    if not firsts:
+        return None
+    shared = sum(1 for i, t in enumerate(firsts)
+                 if (i and t - firsts[i - 1] < SAME_STEP_S)
+                 or (i + 1 < len(firsts) and firsts[i + 1] - t < SAME_STEP_S))
+    return round(shared / len(firsts), 3)
+
+
 def summarize(args: argparse.Namespace, rate: float, stream: Stream, results: list[Result],
               clock: dict[str, float]) -> dict[str, Any]:
     start = clock["start"]
@@ -639,6 +655,7 @@ def summarize(args: argparse.Namespace, rate: float, stream: Stream, results: li
         "client_cpu_share": round(clock["client_cpu_s"] / wall_s, 3) if wall_s > 0 else None,
         "send_lag_ms": {"p99": percentiles(lag)["p99"], "max": round(max(lag, default=0) * 1e3, 3)},
         "ttft_ms": percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "first_token_shared": first_token_shared(ok),
         "tpot_ms": percentiles([r.tpot_s for r in ok if r.tpot_s is not None]),
         "itl_ms": percentiles([gap for r in ok for gap in r.itl_s]),
         "e2e_ms": percentiles([r.e2e_s for r in ok if r.e2e_s is not None]),

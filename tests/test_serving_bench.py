@@ -24,7 +24,7 @@ SUMMARY_FIELDS = {"rate", "arrivals", "requests_planned", "requests_sent", "comp
                   "output_throughput_tok_s", "goodput_rps", "slo_met", "output_tokens",
                   "output_tokens_expected", "prompt_len_drawn", "prompt_tokens", "tokens_from",
                   "tokens_per_chunk", "max_in_flight", "client_cpu_share", "send_lag_ms",
-                  "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "requests"}
+                  "ttft_ms", "first_token_shared", "tpot_ms", "itl_ms", "e2e_ms", "requests"}
 
 
 @pytest.fixture(scope="module")
@@ -238,3 +238,16 @@ def test_messages_of_many_tokens_are_flagged(bench):
     assert bench._grouped({"tokens_per_chunk": 16.0}) == ""   # a router that falls behind
     flagged = bench._grouped({"tokens_per_chunk": 99.522})
     assert "100 tokens a message" in flagged and "vocab_tokenizer.py" in flagged
+
+
+def test_first_tokens_of_one_prompt_step_are_counted(bench):
+    """Requests whose first tokens came out together (one prompt step) are counted, each."""
+    def done(sent_s, ttft_s):
+        return bench.Result(session=0, turn=0, prompt_len=8, output_len=2, scheduled_s=sent_s,
+                            sent_s=sent_s, ttft_s=ttft_s)
+
+    apart = [done(0.0, 0.030), done(0.010, 0.050), done(0.100, 0.030)]
+    assert bench.first_token_shared(apart) == 0.0
+    together = apart + [done(0.020, 0.0402)]   # out with the second, 0.2 ms after it
+    assert bench.first_token_shared(together) == 0.5
+    assert bench.first_token_shared([]) is None
