@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 # The prompt tokens one step takes at most, unless told (the setting's default).
 PREFILL_HERE_STEP_TOKENS: int = DecodeConfig.prefill_here_step_tokens
+PREFILL_HERE_JOIN_TOKENS: int = DecodeConfig.prefill_here_join_tokens
 
 
 def plan_step(waiting: list[int], step_tokens: int, join_tokens: int = 0) -> list[int]:
@@ -81,7 +82,7 @@ class PrefillHereQueue:
 
     def __init__(self, runner: ModelRunner, metrics: DecodeMetrics,
                  step_tokens: int = PREFILL_HERE_STEP_TOKENS, concurrent: bool = False,
-                 join_tokens: int = 0) -> None:
+                 join_tokens: int = PREFILL_HERE_JOIN_TOKENS) -> None:
         self.runner = runner
         self.metrics = metrics
         self.step_tokens = step_tokens

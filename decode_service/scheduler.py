@@ -29,7 +29,11 @@ from dataclasses import dataclass, field
 import grpc
 
 from decode_service.outbox import Outbox
-from decode_service.prefill_here import PREFILL_HERE_STEP_TOKENS, PrefillHereQueue
+from decode_service.prefill_here import (
+    PREFILL_HERE_JOIN_TOKENS,
+    PREFILL_HERE_STEP_TOKENS,
+    PrefillHereQueue,
+)
 from decode_service.prefill_yield import PrefillYield
 from decode_service.reservations import Reservation, ReservationTable
 from pdserve.engine.decode_slots import SlotJoin
@@ -111,7 +115,7 @@ class DecodeLoop:
                  prefill_watch: PrefillWatch | None = None,
                  prefill_here_step_tokens: int = PREFILL_HERE_STEP_TOKENS,
                  concurrent_prompt_steps: bool = False,
-                 prefill_here_join_tokens: int = 0) -> None:
+                 prefill_here_join_tokens: int = PREFILL_HERE_JOIN_TOKENS) -> None:
         self.steps = steps
         self.table = table
         self.max_running = min(max_running, steps.slots.max_slots)
