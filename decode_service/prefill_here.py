@@ -13,17 +13,12 @@ burst, fills every step; `plan_step`); the prompts left out run in further steps
 up to ``--prefill-here-step-tokens`` in all between two decode steps. Prompts that arrive
 together then get their first tokens one after another, the first without waiting for the
 others' compute, and decode waits no longer than before.
-Under ``--slo-ttft-ms`` a prompt that has waited longer than the target since its reservation
-goes after those that can still meet it (past saturation, the late ones would only make the
-others late too); under ``--slo-tpot-ms`` the prompt tokens between two decode steps follow the
-time between the running requests' tokens (`PromptBudget`).
 Under ``--concurrent-prompt-steps`` that step runs beside the decode steps instead, on a stream
 of its own, and the loop collects it once the GPU is done with it.
 """
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import nullcontext
@@ -65,40 +60,6 @@ def plan_step(waiting: list[int], step_tokens: int, join_tokens: int = 0) -> lis
     return counts
 
 
-class PromptBudget:
-    """The prompt tokens a decode worker prefills between two of its decode steps under
-    ``--slo-tpot-ms``: fewer (down to none) while the time between two decode steps' tokens is
-    above ``TARGET_SHARE`` of the target, more (up to the step's tokens) while below. With
-    none, decode runs alone until finished requests bring its step time back under the target;
-    with no decode running, a step takes its whole budget."""
-
-    TARGET_SHARE = 0.9     # a margin: a request's TPOT is the mean of its gaps
-    SHRINK, GROW, GROW_TOKENS = 0.75, 1.25, 64
-
-    def __init__(self, step_tokens: int, tpot_s: float) -> None:
-        self.step_tokens = step_tokens
-        self.target_s = tpot_s * self.TARGET_SHARE
-        self.tokens = step_tokens
-
-    def observe(self, gap_s: float) -> None:
-        """The time between two decode steps' tokens, just measured."""
-        if not self.target_s:
-            return
-        if gap_s > self.target_s:
-            self.tokens = int(self.tokens * self.SHRINK)
-        else:
-            self.tokens = min(self.step_tokens, int(self.tokens * self.GROW) + self.GROW_TOKENS)
-
-
-def in_time_first(waiting: list[DecodeRequest], now: float, ttft_s: float) -> list[DecodeRequest]:
-    """``waiting`` with the prompts not yet begun that have waited more than ``ttft_s`` since
-    their reservation moved behind the others, each part in its order."""
-    def late(req: DecodeRequest) -> bool:
-        res = req.reservation
-        return req.prefilled == res.cached_tokens and now - res.asked_at > ttft_s
-    return [r for r in waiting if not late(r)] + [r for r in waiting if late(r)]
-
-
 @dataclass
 class PromptStep:
     """A prompt step launched and not yet collected: each request with its first position and
@@ -121,12 +82,11 @@ class PrefillHereQueue:
 
     def __init__(self, runner: ModelRunner, metrics: DecodeMetrics,
                  step_tokens: int = PREFILL_HERE_STEP_TOKENS, concurrent: bool = False,
-                 join_tokens: int = PREFILL_HERE_JOIN_TOKENS, ttft_s: float = 0.0) -> None:
+                 join_tokens: int = PREFILL_HERE_JOIN_TOKENS) -> None:
         self.runner = runner
         self.metrics = metrics
         self.step_tokens = step_tokens
         self.join_tokens = join_tokens
-        self.ttft_s = ttft_s
         self.concurrent = concurrent
         self.in_flight: PromptStep | None = None
         self._queue: deque[DecodeRequest] = deque()
@@ -154,8 +114,6 @@ class PrefillHereQueue:
         """Launches one step over the queue's first prompts, up to ``budget`` tokens (default:
         the step's); returns the requests of a launch that failed (they leave the queue), else
         none."""
-        if self.ttft_s:
-            self._queue = deque(in_time_first(list(self._queue), time.monotonic(), self.ttft_s))
         counts = plan_step([len(r.prompt_ids) - r.prefilled for r in self._queue],
                            self.step_tokens if budget is None else budget, self.join_tokens)
         # request, first position, tokens

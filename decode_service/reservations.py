@@ -58,7 +58,6 @@ class Reservation:
     node: RadixNode | None = field(default=None, repr=False)
     cached_tokens: int = 0
     prompt_ids: list[int] | None = field(default=None, repr=False)
-    asked_at: float = 0.0           # time.monotonic() when it was asked for (--slo-ttft-ms)
 
 
 class ReservationTable:
@@ -125,7 +124,7 @@ class ReservationTable:
             raise InvalidRequest(f"request {request_id!r} already has a reservation")
         self.held_pages += needed   # counted first: the allocator's gauges read it
         res = Reservation(request_id, prompt_len, max_new_tokens, self._alloc(needed),
-                          prompt_pages=self.pool.pages_for(prompt_len), asked_at=waited_from)
+                          prompt_pages=self.pool.pages_for(prompt_len))
         self._by_id[request_id] = res
         self._count_prefilling(+1)
         self._start_timer(res, self.lease_timeout_s, Event.LEASE_EXPIRED)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -34,7 +33,6 @@ from decode_service.prefill_here import (
     PREFILL_HERE_JOIN_TOKENS,
     PREFILL_HERE_STEP_TOKENS,
     PrefillHereQueue,
-    PromptBudget,
 )
 from decode_service.prefill_yield import PrefillYield
 from decode_service.reservations import Reservation, ReservationTable
@@ -117,8 +115,7 @@ class DecodeLoop:
                  prefill_watch: PrefillWatch | None = None,
                  prefill_here_step_tokens: int = PREFILL_HERE_STEP_TOKENS,
                  concurrent_prompt_steps: bool = False,
-                 prefill_here_join_tokens: int = PREFILL_HERE_JOIN_TOKENS,
-                 slo_ttft_s: float = 0.0, slo_tpot_s: float = 0.0) -> None:
+                 prefill_here_join_tokens: int = PREFILL_HERE_JOIN_TOKENS) -> None:
         self.steps = steps
         self.table = table
         self.max_running = min(max_running, steps.slots.max_slots)
@@ -135,9 +132,7 @@ class DecodeLoop:
         self._waiting: deque[DecodeRequest] = deque()
         self._to_prefill = PrefillHereQueue(steps.runner, metrics,   # prefill_here prompts
                                             prefill_here_step_tokens, concurrent_prompt_steps,
-                                            prefill_here_join_tokens, slo_ttft_s)
-        self._budget = PromptBudget(prefill_here_step_tokens, slo_tpot_s)
-        self._last_tokens_at: float | None = None   # when the last decode step was collected
+                                            prefill_here_join_tokens)
         self._retiring: list[DecodeRequest] = []     # done, but in a step not yet collected
         self._free_slots = list(range(steps.slots.max_slots - 1, -1, -1))
         self._joins: list[SlotJoin] = []
@@ -228,7 +223,6 @@ class DecodeLoop:
             # Yielding, the step in flight is still collected (its tokens go out); none follows.
             step = None if self._yield.left() > 0 else self._plan()
             if step is None and self._overlap.in_flight is None:
-                self._last_tokens_at = None   # no decode step to measure the next one from
                 self._hand_over()
                 continue
             self._timer.lap("schedule")
@@ -330,8 +324,7 @@ class DecodeLoop:
         the batch with their first token (or finish with it), sent out at once, not after the
         next decode step."""
         prompts = self._to_prefill
-        budget = self._budget.tokens if self._running else prompts.step_tokens
-        self.metrics.prompt_budget.set(budget)
+        budget = prompts.step_tokens
         while prompts and budget > 0:
             done, failed, tokens = prompts.step(budget)
             self._prefilled(done, failed)
@@ -418,10 +411,6 @@ class DecodeLoop:
         self._release_retired()
 
     def _process(self, step: DecodeStep) -> None:
-        now = time.perf_counter()
-        if self._last_tokens_at is not None:
-            self._budget.observe(now - self._last_tokens_at)
-        self._last_tokens_at = now
         self.metrics.batch_size.observe(len(step.batch))
         self.metrics.steps.labels(step.launched.mode).inc()  # type: ignore[union-attr]
         self._collected_steps = step.step_id

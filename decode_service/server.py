@@ -210,8 +210,7 @@ async def serve(config: DecodeConfig) -> None:
                       prefill_watch=PrefillWatch(gpu) if gpu else None,
                       prefill_here_step_tokens=config.prefill_here_step_tokens,
                       concurrent_prompt_steps=config.concurrent_prompt_steps,
-                      prefill_here_join_tokens=config.prefill_here_join_tokens,
-                      slo_ttft_s=config.slo_ttft_ms / 1000, slo_tpot_s=config.slo_tpot_ms / 1000)
+                      prefill_here_join_tokens=config.prefill_here_join_tokens)
     # Prefill workers write KV into our KVTransferService: on the main port, or on a port of its
     # own so a NetworkPolicy can open it to prefill pods alone.
     transfer_server = server

@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from pdserve import __version__
-from pdserve.cluster_plan import ROUTER_SET_BY_LAUNCHER, SHARED_WITH_ROUTER
+from pdserve.cluster_plan import ROUTER_SET_BY_LAUNCHER
 from pdserve.config import (
     DecodeConfig,
     EngineConfig,
@@ -46,8 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(up, LauncherConfig)
     add_flags(up.add_argument_group("model and KV cache (every worker)"), EngineConfig)
     add_flags(up.add_argument_group("prefill workers"), PrefillConfig)
-    # The router's flags of the same names set them (cluster_plan passes them on).
-    add_flags(up.add_argument_group("decode workers"), DecodeConfig, skip=SHARED_WITH_ROUTER)
+    add_flags(up.add_argument_group("decode workers"), DecodeConfig)
     add_flags(up.add_argument_group("router"), RouterConfig, skip=ROUTER_SET_BY_LAUNCHER)
 
     helps = {"router": "run the public router", "prefill": "run a prefill worker",

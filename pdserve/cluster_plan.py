@@ -29,8 +29,6 @@ from pdserve.settings import changed, flag_name, from_args, to_argv
 ROUTER_SET_BY_LAUNCHER = ("model", "revision", "served_model_name", "max_model_len", "http_port",
                           "prefill_addrs", "decode_addrs", "prefill_discovery",
                           "decode_discovery", "share_port")
-# Settings a decode worker and the router both take: `up` has one flag for both.
-SHARED_WITH_ROUTER = ("slo_ttft_ms", "slo_tpot_ms")
 # How `up` splits --gpu-memory-utilization between the workers that share a GPU.
 MEMORY_SHARE = {"prefill": 0.25, "decode": 0.75}
 # Decode's --yield-to-prefill-ms where a prefill worker shares its GPU: long enough that a

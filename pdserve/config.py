@@ -196,16 +196,6 @@ class DecodeConfig:
         "--prefill-here-step-tokens in all between two decode steps, so prompts that arrive "
         "together get their first tokens one after another instead of all at the end of one "
         "step (0: every waiting prompt joins, up to --prefill-here-step-tokens)")
-    # Past saturation both keep the requests that can still meet their targets meeting them.
-    slo_ttft_ms: float = setting(
-        0.0, "time-to-first-token target: a prompt this worker prefills itself that has "
-        "waited longer than this since its reservation goes after those that can still meet "
-        "it (0: arrival order)")
-    slo_tpot_ms: float = setting(
-        0.0, "time-per-output-token target: the prompt tokens this worker prefills itself "
-        "between two decode steps shrink while the time between two tokens of the running "
-        "requests exceeds 0.9 of it, and grow back up to --prefill-here-step-tokens below "
-        "(0: always up to --prefill-here-step-tokens)")
     concurrent_prompt_steps: bool = setting(
         False, "on a GPU, run the steps of the prompts this worker prefills itself on a CUDA "
         "stream of their own, beside its decode steps instead of between them (one at a time; "
@@ -283,11 +273,9 @@ class RouterConfig(ModelSource):
         "the prefix has this many more prompt tokens waiting")
     slo_ttft_ms: float = setting(0.0, "time-to-first-token target: a finished request "
                                  "that met it and --slo-tpot-ms counts as goodput "
-                                 "(pdserve_requests_within_slo_total); `pdserve up` gives it "
-                                 "to its decode workers too (0: no target)")
+                                 "(pdserve_requests_within_slo_total; 0: no target)")
     slo_tpot_ms: float = setting(0.0, "time-per-output-token target (the mean gap after the "
-                                 "first token) for the same count; `pdserve up` gives it to "
-                                 "its decode workers too (0: no target)")
+                                 "first token) for the same count (0: no target)")
     local_prefill_max_tokens: int = setting(
         0, "prompts of at most this many tokens are prefilled by their decode worker itself, "
         "between its decode steps, with no prefill worker or KV hand-off (conditional "

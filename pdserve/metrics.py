@@ -210,10 +210,6 @@ class DecodeMetrics(WorkerMetrics):
             "plan), launch (prepare and enqueue a step), wait (for the GPU to finish the step it "
             "collects), process (hand out that step's tokens). Little wait means the host, not "
             "the device, sets the pace", extra=("phase",))
-        self.prompt_budget = self._metric(
-            Gauge, "pdserve_decode_prompt_budget_tokens",
-            "Prompt tokens this decode worker may prefill itself before its next decode step "
-            "(--prefill-here-step-tokens, fewer under --slo-tpot-ms while its tokens are late)")
         self.prefilled_here = self._metric(
             Counter, "pdserve_decode_prefilled_here_tokens_total",
             "Prompt tokens this decode worker prefilled itself (the router's "

@@ -101,12 +101,6 @@ def check_decode(config: DecodeConfig) -> None:
     if config.prefill_here_join_tokens < 0:
         raise ConfigError(f"--prefill-here-join-tokens {config.prefill_here_join_tokens}: give "
                           "the tokens a step holds before it takes no more prompts, or 0 (off)")
-    for flag, value in (("--slo-ttft-ms", config.slo_ttft_ms), ("--slo-tpot-ms", config.slo_tpot_ms)):
-        if value < 0:
-            raise ConfigError(f"{flag} {value:g}: give a target in milliseconds, or 0 (none)")
-    if config.slo_tpot_ms and config.concurrent_prompt_steps:
-        raise ConfigError("--slo-tpot-ms bounds the prompt tokens between two decode steps; "
-                          "--concurrent-prompt-steps runs them beside: choose one")
     if config.concurrent_prompt_steps and config.engine.tensor_parallel_size > 1:
         raise ConfigError("--concurrent-prompt-steps: not with --tensor-parallel-size "
                           f"{config.engine.tensor_parallel_size} (one-GPU workers only)")

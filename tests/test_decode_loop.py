@@ -40,7 +40,6 @@ def _jobs() -> list[tuple[list[int], SamplingParams]]:
 async def _decode_all(runner, jobs, overlap: bool, here: bool = False, all_here: bool = False,
                       prefix_cache: bool = False, step_tokens: int = 4096,
                       concurrent: bool = False, join_tokens: int = 0,
-                      slo_ttft_s: float = 0.0, slo_tpot_s: float = 0.0,
                       ) -> tuple[dict[str, list[int]], DecodeLoop, ReservationTable]:
     """``here``: every other request (the odd ones) is prefilled by the loop itself;
     ``all_here``: every request; ``concurrent``: its prompt steps launched, and collected on a
@@ -50,8 +49,7 @@ async def _decode_all(runner, jobs, overlap: bool, here: bool = False, all_here:
     loop = DecodeLoop(DecodeSteps(runner, MAX_RUNNING), table, MAX_RUNNING,
                       DecodeMetrics("test"), overlap=overlap,
                       prefill_here_step_tokens=step_tokens, concurrent_prompt_steps=concurrent,
-                      prefill_here_join_tokens=join_tokens, slo_ttft_s=slo_ttft_s,
-                      slo_tpot_s=slo_tpot_s)
+                      prefill_here_join_tokens=join_tokens)
     task = asyncio.create_task(loop.run())
     outbox = Outbox()
     outputs: dict[str, list[int]] = {}
@@ -367,83 +365,3 @@ def test_prompt_steps_between_two_decode_steps_stay_within_the_step_tokens(
     loop._prefill_here()
     assert prompts.budgets == budgets
     assert prompts.sizes == left
-
-
-
-def test_latency_targets_no_step_meets_keep_every_token_and_page(tiny_runner):
-    """Under --slo-ttft-ms and --slo-tpot-ms targets no step can meet (every prompt late, every
-    gap between decode steps too long, so prompts wait until decode runs dry), every prompt is
-    still prefilled, every token is as one process gives it, and every page comes back."""
-    jobs = _jobs()
-    free_before = tiny_runner.pool.allocator.num_free
-    outputs, loop, table = asyncio.run(_decode_all(tiny_runner, jobs, True, here=True,
-                                                   slo_ttft_s=1e-6, slo_tpot_s=1e-6))
-    for i, (prompt, params) in enumerate(jobs):
-        assert outputs[f"r{i}"] == local.generate(tiny_runner, prompt, params), f"request {i}"
-    assert loop._budget.tokens < 4096   # cut: decode steps were always later than the target
-    assert table.held_pages == 0 and loop.num_free_slots == MAX_RUNNING
-    assert tiny_runner.pool.allocator.num_free == free_before
-
-
-def test_prompt_budget_follows_the_time_between_decode_steps():
-    """--slo-tpot-ms 10: gaps above 9 ms cut the prompt tokens by a quarter down to none, gaps
-    below let them grow back to the step's tokens."""
-    from decode_service.prefill_here import PromptBudget
-
-    budget = PromptBudget(1000, 0.010)
-    budget.observe(0.0095)
-    assert budget.tokens == 750
-    budget.observe(0.012)
-    assert budget.tokens == 562
-    for _ in range(30):
-        budget.observe(0.020)
-    assert budget.tokens == 0
-    budget.observe(0.005)
-    assert budget.tokens == 64
-    budget.observe(0.005)
-    assert budget.tokens == 144
-    for _ in range(20):
-        budget.observe(0.005)
-    assert budget.tokens == 1000
-    untargeted = PromptBudget(1000, 0.0)
-    untargeted.observe(5.0)
-    assert untargeted.tokens == 1000
-
-
-def test_late_prompts_not_yet_begun_go_after_those_in_time():
-    """--slo-ttft-ms: a prompt that has waited past the target since its reservation goes
-    behind the ones that can still meet it, unless it has begun (its next chunk keeps its
-    place); each part keeps its order."""
-    from types import SimpleNamespace
-
-    from decode_service.prefill_here import in_time_first
-
-    def prompt(name, asked_at, cached=0, prefilled=0):
-        return SimpleNamespace(name=name, prefilled=prefilled,
-                               reservation=SimpleNamespace(asked_at=asked_at, cached_tokens=cached))
-
-    waiting = [prompt("late", 0.0), prompt("begun", 0.0, prefilled=32),
-               prompt("late-cached", 0.5, cached=16, prefilled=16), prompt("new", 9.9),
-               prompt("on-time", 9.0)]
-    assert [r.name for r in in_time_first(waiting, 10.0, 1.0)] == [
-        "begun", "new", "on-time", "late", "late-cached"]
-    assert [r.name for r in in_time_first(waiting, 10.0, 20.0)] == [r.name for r in waiting]
-
-
-def test_prompt_steps_take_the_budget_while_decode_runs(tiny_runner):
-    """With requests decoding, the prompt tokens between two decode steps are the budget's;
-    with none, the step's whole."""
-    table = ReservationTable(tiny_runner.pool, 64, 5.0, 60.0, unseen_writes_possible=False)
-    loop = DecodeLoop(DecodeSteps(tiny_runner, MAX_RUNNING), table, MAX_RUNNING,
-                      DecodeMetrics("test"), slo_tpot_s=0.010)
-    loop._to_prefill = prompts = _StubPrompts([3000, 3000], 8192, 0)
-    loop._budget.tokens = 700
-    loop._running = {"r": object()}
-    loop._prefill_here()
-    assert prompts.budgets == [700] and prompts.sizes == [2300, 3000]
-    loop._budget.tokens = 0
-    loop._prefill_here()
-    assert prompts.budgets == [700]   # none while decode is late
-    loop._running = {}
-    loop._prefill_here()
-    assert prompts.budgets == [700, 8192] and prompts.sizes == []

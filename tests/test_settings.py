@@ -122,16 +122,12 @@ def test_up_splits_gpu_memory_between_workers_sharing_a_gpu():
     assert config_of("decode", 1).prefill_here_step_tokens == DecodeConfig.prefill_here_step_tokens
     args.prefill_here_step_tokens = 2048
     args.prefill_here_join_tokens = 512
-    args.slo_ttft_ms, args.slo_tpot_ms = 200.0, 50.0
     plan = ClusterPlan.from_args(args)
     assert config_of("decode", 0).prefill_here_step_tokens == 2048
     assert config_of("decode", 1).prefill_here_join_tokens == 512
     router = role_config("router", build_parser().parse_args(
         ["router", *plan.router_argv(["a:1"], ["b:2"], 8001)]))
     assert (router.served_model_name, router.max_model_len) == ("m", 1024)
-    # One flag of `up` sets a latency target for the router's count and the decode workers.
-    for config in (router, config_of("decode", 0), config_of("decode", 1)):
-        assert (config.slo_ttft_ms, config.slo_tpot_ms) == (200.0, 50.0)
 
 
 def test_up_starts_one_worker_per_listed_device_unless_told_otherwise():
