@@ -187,8 +187,8 @@ class DecodeConfig:
         "(--local-prefill-max-tokens, --prefill-on-decode), between two decode steps; a longer "
         "prompt continues in the next. Larger: waiting prompts share fewer steps, so first "
         "tokens come sooner while decode waits longer for each")
-    # Off until measured: prompts arriving together shared a step and its end in
-    # bench/results/h100-live-sweeps-with-text, where SGLang served them one by one.
+    # Off: a prompt a step lowered mean TTFT but not its p99, and raised qwen3-0.6b's
+    # (bench/results/h100-prompt-join-tokens).
     prefill_here_join_tokens: int = setting(
         0, "a prompt this worker prefills itself joins a step only while the step holds fewer "
         "than this many tokens, unless the waiting prompts add up to more than a step (a "
