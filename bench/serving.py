@@ -48,7 +48,8 @@ What is measured, per request, with time.perf_counter from the moment it is sent
           the chunks counted (a peer that sends no usage, as mini-sglang);
   errors  by kind (`http 503`, `grpc UNAVAILABLE`, `stream error: <type>` for an error event
           after the headers, or the exception's class), with the first message of each kind.
-Per rate: mean, p50, p90, p99 of each; requests and output tokens per second over the run's
+Per rate: mean, p50, p90, p99 of each (the p99 of TTFT, TPOT and e2e with its 90% interval,
+`p99_ranks`); requests and output tokens per second over the run's
 wall time (first send to last byte); the achieved arrival rate (of the sends themselves, so a
 lagging load generator shows, as do send_lag_ms and client_cpu_share: this process's CPU
 seconds per second of the run); goodput (requests/s meeting both --slo-ttft-ms and
@@ -576,10 +577,37 @@ async def run_stream(client: HttpClient | GrpcClient, stream: Stream, text: bool
                      "client_cpu_s": time.process_time() - cpu_s}
 
 
-def percentiles(values: list[float], scale: float = 1e3) -> dict[str, float | None]:
-    """Mean, p50, p90, p99 (linear between ranks) of ``values`` times ``scale``."""
+# The confidence of the p99's interval: a p99 over a few hundred requests is its few slowest.
+P99_CONFIDENCE = 0.90
+
+
+def p99_ranks(n: int, confidence: float = P99_CONFIDENCE) -> tuple[int | None, int | None]:
+    """The 0-based ranks in ``n`` sorted values of a distribution-free interval holding the
+    true p99 with at least ``confidence``: the count of values above it is binomial (n, 0.01),
+    each side may miss with (1 - confidence) / 2. None for a side too few values can bound
+    (the high side needs 0.99^n <= that, n >= 299 at 90%)."""
+    tail = (1 - confidence) / 2
+    pmf = cdf = 0.99 ** n
+    k05 = -1 if cdf > tail else 0           # the most values above it that is still unlikely
+    k = 0
+    while cdf < 1 - tail and k < n:
+        k += 1
+        pmf *= (n - k + 1) / k * (0.01 / 0.99)
+        cdf += pmf
+        if cdf <= tail:
+            k05 = k
+    low = n - 1 - k                          # at most k values above it: 1 - tail likely
+    return (low if low >= 0 else None), (n - 1 - k05 if k05 >= 0 else None)
+
+
+def percentiles(values: list[float], scale: float = 1e3,
+                interval: bool = False) -> dict[str, float | None]:
+    """Mean, p50, p90, p99 (linear between ranks) of ``values`` times ``scale``; with
+    ``interval`` (values that are independent draws, one a request) also ``p99_low`` and
+    ``p99_high``, the P99_CONFIDENCE interval of the p99 (`p99_ranks`; None: unbounded)."""
+    keys = ("mean", "p50", "p90", "p99") + (("p99_low", "p99_high") if interval else ())
     if not values:
-        return dict.fromkeys(("mean", "p50", "p90", "p99"))
+        return dict.fromkeys(keys)
     ordered = sorted(values)
 
     def at(q: float) -> float:
@@ -589,7 +617,11 @@ def percentiles(values: list[float], scale: float = 1e3) -> dict[str, float | No
         return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
     row = {"mean": sum(ordered) / len(ordered), **{f"p{q}": at(q) for q in (50, 90, 99)}}
-    return {k: round(v * scale, 3) for k, v in row.items()}
+    if interval:
+        low, high = p99_ranks(len(ordered))
+        row |= {"p99_low": None if low is None else ordered[low],
+                "p99_high": None if high is None else ordered[high]}
+    return {k: None if v is None else round(v * scale, 3) for k, v in row.items()}
 
 
 # First tokens closer together than this came out of one prompt step (a step takes milliseconds).
@@ -654,11 +686,11 @@ def summarize(args: argparse.Namespace, rate: float, stream: Stream, results: li
         # near 1: the load generator itself may be what limits (see send_lag_ms too)
         "client_cpu_share": round(clock["client_cpu_s"] / wall_s, 3) if wall_s > 0 else None,
         "send_lag_ms": {"p99": percentiles(lag)["p99"], "max": round(max(lag, default=0) * 1e3, 3)},
-        "ttft_ms": percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "ttft_ms": percentiles([r.ttft_s for r in ok if r.ttft_s is not None], interval=True),
         "first_token_shared": first_token_shared(ok),
-        "tpot_ms": percentiles([r.tpot_s for r in ok if r.tpot_s is not None]),
+        "tpot_ms": percentiles([r.tpot_s for r in ok if r.tpot_s is not None], interval=True),
         "itl_ms": percentiles([gap for r in ok for gap in r.itl_s]),
-        "e2e_ms": percentiles([r.e2e_s for r in ok if r.e2e_s is not None]),
+        "e2e_ms": percentiles([r.e2e_s for r in ok if r.e2e_s is not None], interval=True),
         # for compare(): each request's (TTFT, TPOT); not written
         "_latencies": [(r.ttft_s, r.tpot_s) for r in ok if r.ttft_s is not None],
     }
@@ -666,6 +698,15 @@ def summarize(args: argparse.Namespace, rate: float, stream: Stream, results: li
 
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
+
+
+def _interval(figures: dict[str, float | None]) -> str:
+    """The p99's interval as printed: " (90%: low-high)", high "?" where unbounded."""
+    if figures.get("p99_low") is None:
+        return ""
+    high = figures["p99_high"]
+    return (f" ({P99_CONFIDENCE:.0%}: {_ms(figures['p99_low'])}-"
+            f"{'?' if high is None else _ms(high)})")
 
 
 def one_line(label: str, row: dict[str, Any]) -> str:
@@ -676,7 +717,8 @@ def one_line(label: str, row: dict[str, Any]) -> str:
             f"{row['failed']} errors, achieved {'-' if achieved is None else f'{achieved:.2f}'}"
             f"/s | {row['request_throughput_rps'] or 0:.2f} req/s, "
             f"{row['output_throughput_tok_s'] or 0:.1f} out tok/s{goodput} | "
-            + " | ".join(f"{name} p50 {_ms(row[key]['p50'])} p99 {_ms(row[key]['p99'])} ms"
+            + " | ".join(f"{name} p50 {_ms(row[key]['p50'])} p99 {_ms(row[key]['p99'])}"
+                         f"{_interval(row[key])} ms"
                          for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"),
                                            ("ITL", "itl_ms"), ("e2e", "e2e_ms")))
             + _grouped(row))
@@ -731,10 +773,14 @@ def compare(targets: list[dict[str, Any]]) -> dict[str, Any]:
             ttft_ms, tpot_ms = runs[limits]["ttft_ms"]["p99"], runs[limits]["tpot_ms"]["p99"]
             metrics[name] = {label: goodput_at(run, ttft_ms, tpot_ms)
                              for label, run in runs.items()}
+        intervals = {f"{key[:-3]}_p99_interval_ms": {
+            label: [run[key].get("p99_low"), run[key].get("p99_high")]
+            for label, run in runs.items()} for key in ("ttft_ms", "tpot_ms")}
         ratios = {label: {name: (round(values[labels[0]] / values[label], 3)
                                  if values[labels[0]] is not None and values[label] else None)
                           for name, values in metrics.items()} for label in labels[1:]}
-        rates.append({"rate": first["rate"], "metrics": metrics, "ratios": ratios})
+        rates.append({"rate": first["rate"], "metrics": metrics, "ratios": ratios,
+                      "p99_intervals": intervals})
         heads = labels + [f"{labels[0]}/{label}" for label in labels[1:]]
         width = max(len(h) for h in heads) + 2
         title = f"rate {first['rate']}/s"
@@ -744,6 +790,11 @@ def compare(targets: list[dict[str, Any]]) -> dict[str, Any]:
             cells += ["-" if ratios[label][name] is None else f"{ratios[label][name]:.3f}"
                       for label in labels[1:]]
             print(f"{printed[name]:<18}" + "".join(f"{c:>{width}}" for c in cells))
+        for name, values in intervals.items():   # where the p99s may lie: overlapping, a tie
+            cells = ["-" if low is None else f"{_ms(low)}-{'?' if high is None else _ms(high)}"
+                     for low, high in values.values()]
+            shown = f"{name.split('_')[0].upper()} p99 {P99_CONFIDENCE:.0%}"
+            print(f"{shown:<18}" + "".join(f"{c:>{width}}" for c in cells))
     return {"baseline": labels[0], "rates": rates}
 
 
@@ -970,6 +1021,10 @@ def saved_targets(args: argparse.Namespace) -> list[dict[str, Any]]:
                                      f"{target['label']!r} was run without --save-requests")
                 run["_latencies"] = [(r["ttft_s"], r["tpot_s"]) for r in run["requests"]
                                      if r["error"] is None and r["ttft_s"] is not None]
+                for key, name in (("ttft_ms", "ttft_s"), ("tpot_ms", "tpot_s")):
+                    # files written before the intervals: the same figures, with them
+                    run[key] = percentiles([r[name] for r in run["requests"] if r["error"] is
+                                            None and r[name] is not None], interval=True)
                 slo = (args.slo_ttft_ms or math.inf, args.slo_tpot_ms or math.inf)
                 run["goodput_rps"] = (goodput_at(run, *slo)
                                       if args.slo_ttft_ms or args.slo_tpot_ms else None)

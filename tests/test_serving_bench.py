@@ -61,8 +61,11 @@ def _assert_all_served(run: dict) -> None:
         assert request["ttft_s"] is not None and request["e2e_s"] >= request["ttft_s"]
         if request["output_len"] > 1:
             assert request["tpot_s"] is not None
-    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
-        assert set(run[key]) == {"mean", "p50", "p90", "p99"}
+    assert set(run["itl_ms"]) == {"mean", "p50", "p90", "p99"}   # a request's gaps: not apart
+    for key in ("ttft_ms", "tpot_ms", "e2e_ms"):
+        assert set(run[key]) == {"mean", "p50", "p90", "p99", "p99_low", "p99_high"}
+        # a handful of requests bounds the p99 from below by its slowest, not from above
+        assert run[key]["p99_low"] >= run[key]["p99"] and run[key]["p99_high"] is None
     assert run["slo_met"] == run["completed"]
     assert run["goodput_rps"] == run["request_throughput_rps"] > 0
 
@@ -162,6 +165,10 @@ def test_runs_made_apart_compare_with_goodput_recounted(cluster, tmp_path):
         goodput = result["comparison"]["rates"][0]["metrics"]["goodput_rps"]
         want = round(run["request_throughput_rps"] * met / run["completed"], 3)
         assert goodput == {"apart": want, "apart#2": want}
+        intervals = result["comparison"]["rates"][0]["p99_intervals"]["ttft_p99_interval_ms"]
+        low = max(r["ttft_s"] for r in run["requests"]) * 1e3   # 4 requests: the slowest, unbounded
+        assert intervals == {"apart": [round(low, 3), None], "apart#2": [round(low, 3), None]}
+        assert "TTFT p99 90%" in done.stdout
     del run["requests"]
     path.write_text(json.dumps(saved))
     done = subprocess.run([sys.executable, str(SCRIPT), "--compare", str(path)],
@@ -251,3 +258,19 @@ def test_first_tokens_of_one_prompt_step_are_counted(bench):
     together = apart + [done(0.020, 0.0402)]   # out with the second, 0.2 ms after it
     assert bench.first_token_shared(together) == 0.5
     assert bench.first_token_shared([]) is None
+
+
+@pytest.mark.parametrize("n, low, high", [
+    (4, 3, None),        # P(one of 4 above the p99) = 0.04: the slowest bounds it below
+    (227, 221, None),    # 20 s at 12 req/s: from the 6th slowest up, no upper bound
+    (298, 291, None),    # 0.99^298 > 0.05: still none
+    (299, 292, 298),     # the slowest bounds it above
+    (704, 691, 701),     # 60 s at 12 req/s: the 13th to the 3rd slowest
+])
+def test_the_p99s_interval_is_the_binomial_one(bench, n, low, high):
+    """The ranks of the 90% interval of a p99 over n requests: the count of requests above the
+    true p99 is binomial (n, 0.01); each side misses with at most 5%."""
+    assert bench.p99_ranks(n) == (low, high)
+    values = [float(v) for v in range(n)]
+    figures = bench.percentiles(values, scale=1.0, interval=True)
+    assert (figures["p99_low"], figures["p99_high"]) == (low, high)
