@@ -587,13 +587,14 @@ def p99_ranks(n: int, confidence: float = P99_CONFIDENCE) -> tuple[int | None, i
     each side may miss with (1 - confidence) / 2. None for a side too few values can bound
     (the high side needs 0.99^n <= that, n >= 299 at 90%)."""
     tail = (1 - confidence) / 2
-    pmf = cdf = 0.99 ** n
+    log_pmf = n * math.log(0.99)            # in logs: 0.99^n underflows past 70k values
+    cdf = math.exp(log_pmf)
     k05 = -1 if cdf > tail else 0           # the most values above it that is still unlikely
     k = 0
     while cdf < 1 - tail and k < n:
         k += 1
-        pmf *= (n - k + 1) / k * (0.01 / 0.99)
-        cdf += pmf
+        log_pmf += math.log((n - k + 1) / k * (0.01 / 0.99))
+        cdf += math.exp(log_pmf)
         if cdf <= tail:
             k05 = k
     low = n - 1 - k                          # at most k values above it: 1 - tail likely

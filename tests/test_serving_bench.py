@@ -266,6 +266,7 @@ def test_first_tokens_of_one_prompt_step_are_counted(bench):
     (298, 291, None),    # 0.99^298 > 0.05: still none
     (299, 292, 298),     # the slowest bounds it above
     (704, 691, 701),     # 60 s at 12 req/s: the 13th to the 3rd slowest
+    (100_000, 98_947, 99_051),   # 1,000 +- 52 of them above it: the 1,053rd to the 949th slowest
 ])
 def test_the_p99s_interval_is_the_binomial_one(bench, n, low, high):
     """The ranks of the 90% interval of a p99 over n requests: the count of requests above the
