@@ -7,12 +7,6 @@ one step over such prompts, in arrival order, up to ``--prefill-here-step-tokens
 prompt continues in the next, a chunk a step, so no step holds decode back longer than that),
 their KV going straight into their reservations; a prompt whose last chunk this was has its first
 token, sampled as a prefill worker samples it, and joins the decode batch like any other.
-Under ``--prefill-here-join-tokens N`` a waiting prompt joins a step only while the step holds
-fewer than N tokens, unless the waiting prompts add up to more than a step (a backlog, as in a
-burst, fills every step; `plan_step`); the prompts left out run in further steps right after,
-up to ``--prefill-here-step-tokens`` in all between two decode steps. Prompts that arrive
-together then get their first tokens one after another, the first without waiting for the
-others' compute, and decode waits no longer than before.
 Under ``--concurrent-prompt-steps`` that step runs beside the decode steps instead, on a stream
 of its own, and the loop collects it once the GPU is done with it.
 """
@@ -41,23 +35,6 @@ log = logging.getLogger(__name__)
 
 # The prompt tokens one step takes at most, unless told (the setting's default).
 PREFILL_HERE_STEP_TOKENS: int = DecodeConfig.prefill_here_step_tokens
-PREFILL_HERE_JOIN_TOKENS: int = DecodeConfig.prefill_here_join_tokens
-
-
-def plan_step(waiting: list[int], step_tokens: int, join_tokens: int = 0) -> list[int]:
-    """The tokens a step takes of each waiting prompt, in order (``waiting``: each prompt's
-    tokens left to prefill): up to ``step_tokens`` in all, the last prompt taken in part; with
-    ``join_tokens`` > 0 a prompt after the first joins only while the step holds fewer than
-    that many, unless the prompts waiting add up to more than ``step_tokens``."""
-    backlog = join_tokens <= 0 or sum(waiting) > step_tokens
-    counts: list[int] = []
-    budget = step_tokens
-    for left in waiting:
-        if budget <= 0 or (counts and not backlog and step_tokens - budget >= join_tokens):
-            break
-        counts.append(min(left, budget))
-        budget -= counts[-1]
-    return counts
 
 
 @dataclass
@@ -81,12 +58,10 @@ class PrefillHereQueue:
     attention then plans into a workspace of its own (decode's graphs use the other)."""
 
     def __init__(self, runner: ModelRunner, metrics: DecodeMetrics,
-                 step_tokens: int = PREFILL_HERE_STEP_TOKENS, concurrent: bool = False,
-                 join_tokens: int = PREFILL_HERE_JOIN_TOKENS) -> None:
+                 step_tokens: int = PREFILL_HERE_STEP_TOKENS, concurrent: bool = False) -> None:
         self.runner = runner
         self.metrics = metrics
         self.step_tokens = step_tokens
-        self.join_tokens = join_tokens
         self.concurrent = concurrent
         self.in_flight: PromptStep | None = None
         self._queue: deque[DecodeRequest] = deque()
@@ -110,14 +85,17 @@ class PrefillHereQueue:
     def remove(self, req: DecodeRequest) -> None:
         self._queue.remove(req)
 
-    def launch(self, budget: int | None = None) -> list[DecodeRequest]:
-        """Launches one step over the queue's first prompts, up to ``budget`` tokens (default:
-        the step's); returns the requests of a launch that failed (they leave the queue), else
-        none."""
-        counts = plan_step([len(r.prompt_ids) - r.prefilled for r in self._queue],
-                           self.step_tokens if budget is None else budget, self.join_tokens)
-        # request, first position, tokens
-        batch = [(req, req.prefilled, n) for req, n in zip(self._queue, counts)]
+    def launch(self) -> list[DecodeRequest]:
+        """Launches one step over the queue's first prompts, up to the step's tokens; returns
+        the requests of a launch that failed (they leave the queue), else none."""
+        batch: list[tuple[DecodeRequest, int, int]] = []   # request, first position, tokens
+        budget = self.step_tokens
+        for req in self._queue:
+            if budget <= 0:
+                break
+            count = min(len(req.prompt_ids) - req.prefilled, budget)
+            batch.append((req, req.prefilled, count))
+            budget -= count
         seqs = [SeqInput(r.prompt_ids[start:start + n], start, r.reservation.pages)
                 for r, start, n in batch]
         rows = [sample_row(r.params, r.prompt_ids, [], r.output_offset) for r, _, _ in batch]
@@ -161,15 +139,10 @@ class PrefillHereQueue:
                 done.append((req, token))
         return done, []
 
-    def step(self, budget: int | None = None
-             ) -> tuple[list[tuple[DecodeRequest, int]], list[DecodeRequest], int]:
-        """One step of up to ``budget`` tokens, launched and collected: collect's two lists,
-        and the prompt tokens the step took (0 if its launch failed)."""
-        failed = self.launch(budget)
-        if self.in_flight is None:
-            return [], failed, 0
-        tokens = sum(n for _, _, n in self.in_flight.batch)
-        return *self.collect(), tokens
+    def step(self) -> tuple[list[tuple[DecodeRequest, int]], list[DecodeRequest]]:
+        """One step, launched and collected (see collect)."""
+        failed = self.launch()
+        return self.collect() if self.in_flight is not None else ([], failed)
 
     def _drop(self, batch: list[tuple[DecodeRequest, int, int]]) -> list[DecodeRequest]:
         dropped = [req for req, _, _ in batch if not req.done]

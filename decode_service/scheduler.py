@@ -29,11 +29,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from decode_service.outbox import Outbox
-from decode_service.prefill_here import (
-    PREFILL_HERE_JOIN_TOKENS,
-    PREFILL_HERE_STEP_TOKENS,
-    PrefillHereQueue,
-)
+from decode_service.prefill_here import PREFILL_HERE_STEP_TOKENS, PrefillHereQueue
 from decode_service.prefill_yield import PrefillYield
 from decode_service.reservations import Reservation, ReservationTable
 from pdserve.engine.decode_slots import SlotJoin
@@ -114,8 +110,7 @@ class DecodeLoop:
                  yield_to_prefill_s: float = 0.0,
                  prefill_watch: PrefillWatch | None = None,
                  prefill_here_step_tokens: int = PREFILL_HERE_STEP_TOKENS,
-                 concurrent_prompt_steps: bool = False,
-                 prefill_here_join_tokens: int = PREFILL_HERE_JOIN_TOKENS) -> None:
+                 concurrent_prompt_steps: bool = False) -> None:
         self.steps = steps
         self.table = table
         self.max_running = min(max_running, steps.slots.max_slots)
@@ -131,8 +126,7 @@ class DecodeLoop:
         self._running: dict[str, DecodeRequest] = {}
         self._waiting: deque[DecodeRequest] = deque()
         self._to_prefill = PrefillHereQueue(steps.runner, metrics,   # prefill_here prompts
-                                            prefill_here_step_tokens, concurrent_prompt_steps,
-                                            prefill_here_join_tokens)
+                                            prefill_here_step_tokens, concurrent_prompt_steps)
         self._retiring: list[DecodeRequest] = []     # done, but in a step not yet collected
         self._free_slots = list(range(steps.slots.max_slots - 1, -1, -1))
         self._joins: list[SlotJoin] = []
@@ -219,6 +213,7 @@ class DecodeLoop:
                 self._prompt_steps()
             elif self._to_prefill:
                 self._prefill_here()
+                self._hand_over()   # first tokens out now, not after the next decode step
             self._admit()
             # Yielding, the step in flight is still collected (its tokens go out); none follows.
             step = None if self._yield.left() > 0 else self._plan()
@@ -319,19 +314,9 @@ class DecodeLoop:
             self._retire(req)
 
     def _prefill_here(self) -> None:
-        """Prefill-here steps between two decode steps: one, or under --prefill-here-join-tokens
-        several back to back, up to the step's tokens in all. The prompts each completed join
-        the batch with their first token (or finish with it), sent out at once, not after the
-        next decode step."""
-        prompts = self._to_prefill
-        budget = prompts.step_tokens
-        while prompts and budget > 0:
-            done, failed, tokens = prompts.step(budget)
-            self._prefilled(done, failed)
-            self._hand_over()
-            budget -= tokens
-            if not prompts.join_tokens or not tokens:
-                break
+        """One prefill-here step; the prompts it completed join the batch with their first
+        token (or finish with it)."""
+        self._prefilled(*self._to_prefill.step())
 
     def _prompt_steps(self) -> None:
         """Concurrent prompt steps: collects the one launched once it is done (or at once when

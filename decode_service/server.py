@@ -209,8 +209,7 @@ async def serve(config: DecodeConfig) -> None:
                       yield_to_prefill_s=max(0.0, config.yield_to_prefill_ms) / 1000,
                       prefill_watch=PrefillWatch(gpu) if gpu else None,
                       prefill_here_step_tokens=config.prefill_here_step_tokens,
-                      concurrent_prompt_steps=config.concurrent_prompt_steps,
-                      prefill_here_join_tokens=config.prefill_here_join_tokens)
+                      concurrent_prompt_steps=config.concurrent_prompt_steps)
     # Prefill workers write KV into our KVTransferService: on the main port, or on a port of its
     # own so a NetworkPolicy can open it to prefill pods alone.
     transfer_server = server

@@ -187,15 +187,6 @@ class DecodeConfig:
         "(--local-prefill-max-tokens, --prefill-on-decode), between two decode steps; a longer "
         "prompt continues in the next. Larger: waiting prompts share fewer steps, so first "
         "tokens come sooner while decode waits longer for each")
-    # Off: a prompt a step lowered mean TTFT but not its p99, and raised qwen3-0.6b's
-    # (bench/results/h100-prompt-join-tokens).
-    prefill_here_join_tokens: int = setting(
-        0, "a prompt this worker prefills itself joins a step only while the step holds fewer "
-        "than this many tokens, unless the waiting prompts add up to more than a step (a "
-        "backlog fills every step); those left out run in steps right after it, up to "
-        "--prefill-here-step-tokens in all between two decode steps, so prompts that arrive "
-        "together get their first tokens one after another instead of all at the end of one "
-        "step (0: every waiting prompt joins, up to --prefill-here-step-tokens)")
     concurrent_prompt_steps: bool = setting(
         False, "on a GPU, run the steps of the prompts this worker prefills itself on a CUDA "
         "stream of their own, beside its decode steps instead of between them (one at a time; "

@@ -98,9 +98,6 @@ def check_decode(config: DecodeConfig) -> None:
     if config.prefill_here_step_tokens < 1:
         raise ConfigError(f"--prefill-here-step-tokens {config.prefill_here_step_tokens}: give "
                           "the most prompt tokens a step takes, at least 1")
-    if config.prefill_here_join_tokens < 0:
-        raise ConfigError(f"--prefill-here-join-tokens {config.prefill_here_join_tokens}: give "
-                          "the tokens a step holds before it takes no more prompts, or 0 (off)")
     if config.concurrent_prompt_steps and config.engine.tensor_parallel_size > 1:
         raise ConfigError("--concurrent-prompt-steps: not with --tensor-parallel-size "
                           f"{config.engine.tensor_parallel_size} (one-GPU workers only)")

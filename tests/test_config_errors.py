@@ -47,7 +47,6 @@ def _one_line_error(result: subprocess.CompletedProcess, *words: str) -> None:
     (["--chunk-size", "-1"], ["--chunk-size -1", "0 (auto)"]),
     (["--stream-interval", "0"], ["--stream-interval 0", "1 or more"]),
     (["--prefill-here-step-tokens", "0"], ["--prefill-here-step-tokens 0", "at least 1"]),
-    (["--prefill-here-join-tokens", "-1"], ["--prefill-here-join-tokens -1", "0 (off)"]),
     (["--concurrent-prompt-steps", "--decode-tensor-parallel-size", "2"],
      ["--concurrent-prompt-steps", "--tensor-parallel-size 2"]),
     (["--device", "cpu", "--tensor-parallel-size", "2", "--all-reduce", "symm_mem"],

@@ -39,7 +39,7 @@ def _jobs() -> list[tuple[list[int], SamplingParams]]:
 
 async def _decode_all(runner, jobs, overlap: bool, here: bool = False, all_here: bool = False,
                       prefix_cache: bool = False, step_tokens: int = 4096,
-                      concurrent: bool = False, join_tokens: int = 0,
+                      concurrent: bool = False,
                       ) -> tuple[dict[str, list[int]], DecodeLoop, ReservationTable]:
     """``here``: every other request (the odd ones) is prefilled by the loop itself;
     ``all_here``: every request; ``concurrent``: its prompt steps launched, and collected on a
@@ -48,8 +48,7 @@ async def _decode_all(runner, jobs, overlap: bool, here: bool = False, all_here:
                              prefix_cache=prefix_cache)
     loop = DecodeLoop(DecodeSteps(runner, MAX_RUNNING), table, MAX_RUNNING,
                       DecodeMetrics("test"), overlap=overlap,
-                      prefill_here_step_tokens=step_tokens, concurrent_prompt_steps=concurrent,
-                      prefill_here_join_tokens=join_tokens)
+                      prefill_here_step_tokens=step_tokens, concurrent_prompt_steps=concurrent)
     task = asyncio.create_task(loop.run())
     outbox = Outbox()
     outputs: dict[str, list[int]] = {}
@@ -106,20 +105,18 @@ def test_decode_loop_matches_single_process(tiny_runner, overlap):
 
 @pytest.mark.parametrize("overlap, concurrent", [(True, False), (False, False), (True, True)],
                          ids=["overlap", "no-overlap", "concurrent"])
-@pytest.mark.parametrize("step_tokens, join_tokens", [(4096, 0), (7, 0), (4096, 1)],
-                         ids=["whole", "chunked", "one-prompt-a-step"])
+@pytest.mark.parametrize("step_tokens", [4096, 7], ids=["whole", "chunked"])
 def test_prompts_prefilled_by_the_loop_match_single_process(tiny_runner, overlap, concurrent,
-                                                            step_tokens, join_tokens):
+                                                            step_tokens):
     """Half the requests come whole (prefill_here): the loop prefills them between its steps,
     or beside them (concurrent), in chunks of 7 tokens (a prompt over several steps, several
-    prompts in one), whole, or a prompt a step (--prefill-here-join-tokens 1), and they decode
-    beside the others, every token as one process gives it."""
+    prompts in one) or whole, and they decode beside the others, every token as one process
+    gives it."""
     jobs = _jobs()
     free_before = tiny_runner.pool.allocator.num_free
     outputs, loop, table = asyncio.run(_decode_all(tiny_runner, jobs, overlap, here=True,
                                                    step_tokens=step_tokens,
-                                                   concurrent=concurrent,
-                                                   join_tokens=join_tokens))
+                                                   concurrent=concurrent))
     for i, (prompt, params) in enumerate(jobs):
         assert outputs[f"r{i}"] == local.generate(tiny_runner, prompt, params), f"request {i}"
     assert table.held_pages == 0 and loop.num_free_slots == MAX_RUNNING
@@ -308,60 +305,3 @@ def test_decode_holds_back_only_while_a_prefill_step_runs_on_its_gpu(tiny_runner
         watch.close()
         activity.close()
         shutil.rmtree(share_dir(gpu), ignore_errors=True)
-
-
-@pytest.mark.parametrize("waiting, step_tokens, join_tokens, counts", [
-    ([300, 500, 200], 8192, 0, [300, 500, 200]),    # every waiting prompt joins
-    ([5000, 5000], 8192, 0, [5000, 3192]),          # up to the step, the last in part
-    ([300, 500, 200], 8192, 1, [300]),              # a prompt a step
-    ([100, 100, 400, 50], 8192, 256, [100, 100, 400]),   # short ones share a step up to 256
-    ([9000], 8192, 256, [8192]),                    # a long prompt alone, chunked as ever
-    ([4000, 3000, 2000], 8192, 256, [4000, 3000, 1192]),   # a backlog fills the step
-    ([], 8192, 256, []),
-])
-def test_a_prompt_step_takes_prompts_up_to_its_join_tokens(waiting, step_tokens, join_tokens,
-                                                           counts):
-    from decode_service.prefill_here import plan_step
-
-    assert plan_step(waiting, step_tokens, join_tokens) == counts
-
-
-class _StubPrompts:
-    """A PrefillHereQueue stand-in: prompts of the given sizes, each step's budget recorded."""
-
-    def __init__(self, sizes: list[int], step_tokens: int, join_tokens: int) -> None:
-        from decode_service.prefill_here import plan_step
-
-        self.plan_step, self.sizes = plan_step, list(sizes)
-        self.step_tokens, self.join_tokens, self.concurrent = step_tokens, join_tokens, False
-        self.budgets: list[int] = []
-
-    def __bool__(self) -> bool:
-        return bool(self.sizes)
-
-    def step(self, budget: int):
-        self.budgets.append(budget)
-        counts = self.plan_step(self.sizes, budget, self.join_tokens)
-        for i, n in enumerate(counts):
-            self.sizes[i] -= n
-        self.sizes = [left for left in self.sizes if left]
-        return [], [], sum(counts)
-
-
-@pytest.mark.parametrize("sizes, join_tokens, budgets, left", [
-    ([300, 500, 200], 0, [8192], []),                        # one step takes them all
-    ([300, 500, 200], 1, [8192, 7892, 7392], []),            # a prompt a step, back to back
-    ([3000, 3000, 3000], 1, [8192], [808]),                  # a backlog: one full step
-    ([5000, 2000, 1000], 1, [8192, 3192, 1192], []),         # each with what is left
-])
-def test_prompt_steps_between_two_decode_steps_stay_within_the_step_tokens(
-        tiny_runner, sizes, join_tokens, budgets, left):
-    """Under --prefill-here-join-tokens the prompts that did not join a step run in steps right
-    after it, before the next decode step, up to --prefill-here-step-tokens in all."""
-    table = ReservationTable(tiny_runner.pool, 64, 5.0, 60.0, unseen_writes_possible=False)
-    loop = DecodeLoop(DecodeSteps(tiny_runner, MAX_RUNNING), table, MAX_RUNNING,
-                      DecodeMetrics("test"))
-    loop._to_prefill = prompts = _StubPrompts(sizes, 8192, join_tokens)
-    loop._prefill_here()
-    assert prompts.budgets == budgets
-    assert prompts.sizes == left

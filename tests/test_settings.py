@@ -121,10 +121,8 @@ def test_up_splits_gpu_memory_between_workers_sharing_a_gpu():
     assert config_of("decode", 0).yield_to_prefill_ms == config_of("decode", 1).yield_to_prefill_ms == 40
     assert config_of("decode", 1).prefill_here_step_tokens == DecodeConfig.prefill_here_step_tokens
     args.prefill_here_step_tokens = 2048
-    args.prefill_here_join_tokens = 512
     plan = ClusterPlan.from_args(args)
     assert config_of("decode", 0).prefill_here_step_tokens == 2048
-    assert config_of("decode", 1).prefill_here_join_tokens == 512
     router = role_config("router", build_parser().parse_args(
         ["router", *plan.router_argv(["a:1"], ["b:2"], 8001)]))
     assert (router.served_model_name, router.max_model_len) == ("m", 1024)
