@@ -118,9 +118,12 @@ class FlashInferBackend(AttentionBackend):
             for tensor_cores in {self.tensor_cores(1), True}}
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", backend="fa2" if pool.quantized else "auto")
-        # Each layer's (K, V) scales as run() takes them; none for a 16-bit pool.
-        self._scales = [{"k_scale": pool.k_scales[layer], "v_scale": pool.v_scales[layer]}
-                        if pool.quantized else {} for layer in range(pool.layout.num_layers)]
+        # Each layer's (K, V) scales as run() takes them; none for a 16-bit pool, and none of
+        # 1.0 (FlashInfer applies v_scale with a multiply kernel of its own after attention).
+        self._scales = [{name: scale for name, scale in (("k_scale", pool.k_scales[layer]),
+                                                          ("v_scale", pool.v_scales[layer]))
+                         if pool.quantized and scale != 1.0}
+                        for layer in range(pool.layout.num_layers)]
         self.graph_wrappers: dict[int, Any] = {}
         # The last plan's upload, decode's and prompt steps' apart (each wrapper stages its own).
         self._planned = torch.cuda.Event()
