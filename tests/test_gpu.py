@@ -79,6 +79,8 @@ def test_auto_choice_on_this_gpu():
     prefill = resolve_backend("auto", "prefill", CUDA, torch.bfloat16, 128)[0]
     assert prefill == ("fa" if major == 9 else "fi")
     assert resolve_backend("auto", "decode", CUDA, torch.bfloat16, 128)[0] == "fi"
+    decode_fp8 = resolve_backend("auto", "decode", CUDA, torch.bfloat16, 128, kv_fp8=True)[0]
+    assert decode_fp8 == ("fa" if major == 9 else "fi")
     assert resolve_backend("auto", "decode", CUDA, torch.float32, 128)[0] == "torch"
     assert resolve_backend("auto", "prefill", CUDA, torch.bfloat16, 16)[0] == "torch"
 

@@ -212,14 +212,32 @@ def test_kernels_read_fp8_pages_as_the_torch_backend_does(backend, shapes, page_
     assert torch.equal(outputs[backend][1], outputs["torch"][1])
 
 
-def test_fp8_kv_decode_in_cuda_graphs_stays_close_to_bfloat16_kv():
-    runners = {kv: _decode_runner("qwen3-0.6b", kv_cache_dtype=kv)
+@pytest.mark.parametrize("backend", ["auto", "fi"])
+def test_fp8_kv_decode_in_cuda_graphs_stays_close_to_bfloat16_kv(backend):
+    """Decode over FP8 pages (FA3 on Hopper, by default, with FP8 queries; FlashInfer with
+    bf16 ones) against bf16 pages, teacher-forced."""
+    runners = {kv: _decode_runner("qwen3-0.6b", kv_cache_dtype=kv,
+                                  attention_backend=backend if kv == "fp8_e4m3" else "auto")
                for kv in ("bfloat16", "fp8_e4m3")}
-    assert runners["fp8_e4m3"].graphs is not None and runners["fp8_e4m3"].backend_name == "fi"
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    assert runners["fp8_e4m3"].graphs is not None
+    assert runners["fp8_e4m3"].backend_name == ("fa" if hopper and backend == "auto" else "fi")
     agreement = _greedy_agreement(runners["fp8_e4m3"], runners["bfloat16"])
-    print(f"qwen3-0.6b: FP8 vs bfloat16 KV on the GPU, teacher-forced top-1 agreement "
-          f"{agreement:.3f}")
+    print(f"qwen3-0.6b: FP8 vs bfloat16 KV on the GPU ({runners['fp8_e4m3'].backend_name}), "
+          f"teacher-forced top-1 agreement {agreement:.3f}")
     assert agreement >= MIN_TOP1_AGREEMENT
+
+
+@pytest.mark.parametrize("kv_cache_dtype, tolerance", [("fp8_e4m3", 0.1), ("bfloat16", 3e-2)])
+def test_fa3_decode_in_cuda_graphs_computes_what_it_does_eagerly(kv_cache_dtype, tolerance):
+    """FA3's decode graphs (a fixed page table, stale columns past each row's pages) give
+    the eager step's logits: rows of 1-333 tokens, padded to a captured size, twice over so
+    the second step reads a table an earlier, longer step wrote."""
+    runner = _decode_runner("qwen3-0.6b", kv_cache_dtype=kv_cache_dtype,
+                            attention_backend="fa")
+    assert runner.backend_name == "fa" and runner.graphs is not None
+    assert_graph_step_matches_eager(runner, (333, 200, 64, 17, 1), seed=3, tolerance=tolerance)
+    assert_graph_step_matches_eager(runner, (5, 40, 2), seed=4, tolerance=tolerance)
 
 
 def test_cluster_with_fp8_weights_and_kv_matches_the_single_process():

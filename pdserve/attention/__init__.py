@@ -25,9 +25,11 @@ KERNEL_LIMITS = {
 
 
 def resolve_backend(name: str, role: str, device: torch.device, dtype: torch.dtype,
-                    head_dim: int) -> tuple[str, str]:
+                    head_dim: int, kv_fp8: bool = False) -> tuple[str, str]:
     """The backend to use and why: ``name`` if given, else the choice for this role and device:
-    prefill on SM90 -> fa, prefill on other CUDA GPUs -> fi, decode on CUDA -> fi, else torch."""
+    prefill on SM90 -> fa, prefill on other CUDA GPUs -> fi, decode on CUDA -> fi (fa on SM90
+    over FP8 pages, where it reads mixed-length rows 1.3-1.5x faster:
+    bench/results/h100-fp8-kv-decode-fa3/), else torch."""
     if name != "auto":
         if name not in BACKENDS:
             raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(BACKENDS)}")
@@ -35,7 +37,7 @@ def resolve_backend(name: str, role: str, device: torch.device, dtype: torch.dty
     if device.type != "cuda":
         return "torch", "no CUDA device"
     major, _ = torch.cuda.get_device_capability(device)
-    preferred = "fa" if role == "prefill" and major == 9 else "fi"
+    preferred = "fa" if major == 9 and (role == "prefill" or kv_fp8) else "fi"
     head_dims, dtypes, module = KERNEL_LIMITS[preferred]
     if head_dim not in head_dims or dtype not in dtypes:
         return "torch", f"{preferred} needs head_dim in {head_dims} and fp16/bf16"

@@ -1,9 +1,12 @@
-"""`fa`: FlashAttention-3 (sgl_kernel) over the paged pool; the prefill backend on Hopper.
+"""`fa`: FlashAttention-3 (sgl_kernel) over the paged pool; the prefill backend on Hopper, and
+decode's over an FP8 pool.
 
 One kernel per layer for the whole varlen batch: fresh prompts, prompts whose prefix is already
 in the pool and later chunks of chunked prompts alike (the causal mask is aligned to the end of
 each sequence's keys). The step's new K/V are in their slots before it runs (one index_copy
-per cache, or stored by the fused RoPE kernel).
+per cache, or stored by the fused RoPE kernel). Decode steps in CUDA graphs read a fixed page
+table as wide as the longest sequence and fixed lengths, copied in before each replay; the
+kernel splits each row's keys by its length on the device.
 
 Over an FP8 pool FA3 computes in FP8 throughout: it takes no 16-bit queries with FP8 keys, so the
 queries are cast to e4m3 (saturating), the layer's K and V scales go in as descale factors, and
@@ -15,8 +18,9 @@ import torch
 
 from pdserve.attention.base import AttentionBackend
 from pdserve.engine.batch import ForwardBatch
+from pdserve.engine.batch import upload
 from pdserve.kvcache.kv_dtype import FP8_E4M3, FP8_E4M3_MAX
-from pdserve.kvcache.pool import KVPool
+from pdserve.kvcache.pool import NULL_PAGE, KVPool
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -37,20 +41,56 @@ class FlashAttentionBackend(AttentionBackend):
             tuple(torch.tensor([[scale]], dtype=torch.float32, device=pool.tensor.device)
                   for scale in (pool.k_scales[layer], pool.v_scales[layer]))
             for layer in range(pool.layout.num_layers)] if pool.quantized else []
+        # Decode graphs' page table [max batch, pages of the longest sequence] and lengths.
+        self._graph_table: torch.Tensor | None = None
+        self._graph_lens: torch.Tensor | None = None
 
     def prepare_metadata(self, batch: ForwardBatch) -> None:
         batch.attn_metadata = None  # the kernel reads the batch's own tensors
 
     def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
+        graph = batch.attn_metadata   # (page table, lengths) of a decode graph, or None
+        rows = q.shape[0] if graph is not None else batch.cu_seqlens_q.shape[0] - 1
         fp8: dict[str, torch.Tensor] = {}
         if self.pool.quantized:
             q = q.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_E4M3)
-            shape = (batch.cu_seqlens_q.shape[0] - 1, self.pool.layout.num_kv_heads)
+            shape = (rows, self.pool.layout.num_kv_heads)
             k_descale, v_descale = self._descales[layer_id]
             fp8 = {"k_descale": k_descale.expand(shape), "v_descale": v_descale.expand(shape)}
-        out = self._flash_attn(
-            q, self.pool.k_cache(layer_id), self.pool.v_cache(layer_id),
-            page_table=batch.page_table, cache_seqlens=batch.seq_lens_kv,
-            cu_seqlens_q=batch.cu_seqlens_q, max_seqlen_q=batch.max_seqlen_q,
-            softmax_scale=self.scale, causal=True, **fp8)
+        if graph is not None:   # one query a row: [rows, 1, heads, dim], no varlen metadata
+            table, lens = graph
+            out = self._flash_attn(
+                q.unsqueeze(1), self.pool.k_cache(layer_id), self.pool.v_cache(layer_id),
+                page_table=table, cache_seqlens=lens, softmax_scale=self.scale, causal=True,
+                **fp8).squeeze(1)
+        else:
+            out = self._flash_attn(
+                q, self.pool.k_cache(layer_id), self.pool.v_cache(layer_id),
+                page_table=batch.page_table, cache_seqlens=batch.seq_lens_kv,
+                cu_seqlens_q=batch.cu_seqlens_q, max_seqlen_q=batch.max_seqlen_q,
+                softmax_scale=self.scale, causal=True, **fp8)
         return out if out.dtype == self.q_dtype else out.to(self.q_dtype)
+
+    # CUDA graphs (decode only)
+    def init_capture_graph(self, max_seq_len: int, bs_list: list[int]) -> None:
+        device = self.pool.tensor.device
+        width = -(-max_seq_len // self.pool.page_size) + 1
+        self._graph_table = torch.full((max(bs_list), width), NULL_PAGE, dtype=torch.int32,
+                                       device=device)
+        self._graph_lens = torch.zeros(max(bs_list), dtype=torch.int32, device=device)
+
+    def prepare_for_capture(self, batch: ForwardBatch) -> None:
+        self.prepare_for_replay(batch)
+
+    def prepare_for_replay(self, batch: ForwardBatch) -> None:
+        """The step's pages and lengths into the graph's buffers. Columns past a row's pages
+        keep what an earlier step left there: the kernel reads a row's pages up to its length."""
+        assert self._graph_table is not None and self._graph_lens is not None
+        device = self._graph_table.device
+        bs, width = batch.page_table.shape
+        table = batch.page_table if batch.page_table.is_cuda else upload(batch.page_table, device)
+        lens = batch.seq_lens_kv if batch.seq_lens_kv.is_cuda else upload(batch.seq_lens_kv,
+                                                                            device)
+        self._graph_table[:bs, :width].copy_(table)
+        self._graph_lens[:bs].copy_(lens)
+        batch.attn_metadata = (self._graph_table[:bs], self._graph_lens[:bs])

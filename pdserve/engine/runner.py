@@ -147,7 +147,8 @@ class ModelRunner:
                 f"({torch.cuda.mem_get_info(self.device)[0] / 2**30:.1f} GiB): lower "
                 "--gpu-memory-utilization or --kv-cache-gb, or free the GPU") from err
         self.backend_name, reason = resolve_backend(config.attention_backend, role, self.device,
-                                                    dtype, self.model_config.head_dim)
+                                                    dtype, self.model_config.head_dim,
+                                                    is_fp8(kv_dtype))
         self.attn = create_backend(self.backend_name, self.pool, heads.num_heads,
                                    self.model_config.head_dim, dtype)
         log.info("%s: model %s (%s) on %s; attention backend %r (%s); layer kernels %s; "
