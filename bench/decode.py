@@ -113,6 +113,7 @@ def main() -> None:
                         help="fp8: the preset's linear layers in FP8 (FP8 GEMMs)")
     parser.add_argument("--kv-cache-dtype", default="auto",
                         choices=("auto", "bfloat16", "fp8_e4m3"))
+    parser.add_argument("--attention-backend", default="auto", help="auto, fa or fi")
     parser.add_argument("--tensor-core-min-batch", type=int, default=-1, metavar="N",
                         help="decode attention on tensor cores from batch N whatever the head "
                              "grouping (fi.TENSOR_CORE_MIN_BATCH; default the backend's rule)")
@@ -138,7 +139,8 @@ def main() -> None:
                                       triton_gemv=not args.cublas_gemv,
                                       fused_fp8_quant=not args.unfused_fp8_quant,
                                       quantization=args.quantization,
-                                      kv_cache_dtype=args.kv_cache_dtype), "decode")
+                                      kv_cache_dtype=args.kv_cache_dtype,
+                                      attention_backend=args.attention_backend), "decode")
     cfg = runner.model_config
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     if cfg.tie_word_embeddings:  # the embedding table is read as the LM head too
