@@ -86,12 +86,19 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--batch", type=int, default=1, help="rows of the step (a graph batch "
                         "size: 1, 2, 4, 8, 16, 24, ...), each at --context tokens")
+    parser.add_argument("--quantization", default="", choices=("", "fp8"))
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        choices=("auto", "bfloat16", "fp8_e4m3"))
+    parser.add_argument("--attention-backend", default="auto", help="auto, fa or fi")
     parser.add_argument("--out", default="bench/results/profile_decode.json")
     args = parser.parse_args()
     pages_per_seq = -(-(args.context + 1) // args.page_size)
     runner = ModelRunner(EngineConfig(model=args.model, page_size=args.page_size,
                                       num_pages=pages_per_seq * args.batch + 64,
-                                      cuda_graph_max_bs=args.batch), "decode")
+                                      cuda_graph_max_bs=args.batch,
+                                      quantization=args.quantization,
+                                      kv_cache_dtype=args.kv_cache_dtype,
+                                      attention_backend=args.attention_backend), "decode")
     if args.batch not in runner.graphs.graphs:
         sys.exit(f"--batch {args.batch}: not a graph batch size ({sorted(runner.graphs.graphs)})")
     seqs = [SeqInput([7], args.context, runner.pool.allocator.alloc(pages_per_seq))
@@ -111,6 +118,8 @@ def main() -> None:
               f"floor {row['floor_us']:8.2f} us (x{row['of_floor']})")
     write_results(args.out, "profile_decode", {
         "model": args.model, "context": args.context, "batch": args.batch,
+        "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
+        "attention_backend": runner.backend_name,
         "replay_us": round(replay_ms * 1e3, 1),
         "kernel_us": round(kernel_us, 1), "copy_bandwidth_bytes_per_s": bandwidth,
         "kernels": kernels, "gemv": shapes})
