@@ -241,8 +241,9 @@ def test_fa3_decode_in_cuda_graphs_computes_what_it_does_eagerly(kv_cache_dtype,
 
 
 def test_cluster_with_fp8_weights_and_kv_matches_the_single_process():
-    """Prefill on FA3 and decode on FlashInfer, both over FP8 pages, against one process that
-    prefills and decodes on the same kernels: greedy tokens of a burst agree in most places."""
+    """Prefill on FA3 and decode on FA3 (FlashInfer off Hopper), both over FP8 pages, against
+    one process that prefills and decodes on the same kernels: greedy tokens of a burst agree
+    in most places."""
     flags = ["--model", "qwen3-0.6b", "--kv-cache-dtype", "fp8_e4m3", "--quantization", "fp8"]
     cluster = start_cluster(flags)
     try:

@@ -28,7 +28,7 @@ def resolve_backend(name: str, role: str, device: torch.device, dtype: torch.dty
                     head_dim: int, kv_fp8: bool = False) -> tuple[str, str]:
     """The backend to use and why: ``name`` if given, else the choice for this role and device:
     prefill on SM90 -> fa, prefill on other CUDA GPUs -> fi, decode on CUDA -> fi (fa on SM90
-    over FP8 pages, where it reads mixed-length rows 1.3-1.5x faster:
+    over FP8 pages, where it reads mixed-length rows 1.2-1.5x faster:
     bench/results/h100-fp8-kv-decode-fa3/), else torch."""
     if name != "auto":
         if name not in BACKENDS:

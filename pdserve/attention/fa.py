@@ -17,8 +17,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.attention.base import AttentionBackend
-from pdserve.engine.batch import ForwardBatch
-from pdserve.engine.batch import upload
+from pdserve.engine.batch import ForwardBatch, upload
 from pdserve.kvcache.kv_dtype import FP8_E4M3, FP8_E4M3_MAX
 from pdserve.kvcache.pool import NULL_PAGE, KVPool
 
