@@ -121,6 +121,18 @@ def test_fused_rope_store_kv_quantizes_into_fp8_pages_as_the_pool_does(scales):
     for got, want in ((k, ref_k), (v, ref_v)):
         assert ((got - want).abs() <= torch.maximum(got.abs(), want.abs()) / 8 + 2 ** -9).all()
         assert (got == want).float().mean() > 0.9
+    # FP8 queries for FA3: the same queries saturated to e4m3 in the kernel, bit for bit what
+    # the cast after it gives, and the same pages.
+    k8, v8 = torch.zeros_like(k, dtype=FP8_E4M3), torch.zeros_like(v, dtype=FP8_E4M3)
+    q8 = CudaOps().rope_store_kv(qkv * 60, positions, slots, cos_sin, k8, v8, heads, kv_heads,
+                                 dim, None, None, 1e-6, *scales, fp8_q=True)
+    k16, v16 = torch.zeros_like(k8), torch.zeros_like(v8)
+    q16 = CudaOps().rope_store_kv(qkv * 60, positions, slots, cos_sin, k16, v16, heads,
+                                  kv_heads, dim, None, None, 1e-6, *scales)
+    assert q8.dtype == FP8_E4M3 and q16.abs().max() > 448   # some saturate
+    assert torch.equal(q8.view(torch.uint8), q16.clamp(-448, 448).to(FP8_E4M3).view(torch.uint8))
+    assert torch.equal(k8.view(torch.uint8), k16.view(torch.uint8))
+    assert torch.equal(v8.view(torch.uint8), v16.view(torch.uint8))
 
 
 def _decode_runner(model: str, **config) -> ModelRunner:

@@ -22,6 +22,9 @@ class AttentionBackend(ABC):
         self.scale = head_dim ** -0.5
         # The model's dtype: queries and outputs (an FP8 pool's pages are not).
         self.q_dtype = q_dtype or pool.tensor.dtype
+        # Whether attend() takes e4m3 queries (FA3 over FP8 pages): the fused RoPE + K/V
+        # store then writes them so, saving the cast's two kernels a layer.
+        self.fp8_queries = False
 
     @abstractmethod
     def prepare_metadata(self, batch: ForwardBatch) -> None:

@@ -40,6 +40,7 @@ class FlashAttentionBackend(AttentionBackend):
             tuple(torch.tensor([[scale]], dtype=torch.float32, device=pool.tensor.device)
                   for scale in (pool.k_scales[layer], pool.v_scales[layer]))
             for layer in range(pool.layout.num_layers)] if pool.quantized else []
+        self.fp8_queries = pool.quantized
         # Decode graphs' page table [max batch, pages of the longest sequence] and lengths.
         self._graph_table: torch.Tensor | None = None
         self._graph_lens: torch.Tensor | None = None
@@ -52,7 +53,8 @@ class FlashAttentionBackend(AttentionBackend):
         rows = q.shape[0] if graph is not None else batch.cu_seqlens_q.shape[0] - 1
         fp8: dict[str, torch.Tensor] = {}
         if self.pool.quantized:
-            q = q.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_E4M3)
+            if q.dtype != FP8_E4M3:   # the fused RoPE kernel casts them already
+                q = q.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_E4M3)
             shape = (rows, self.pool.layout.num_kv_heads)
             k_descale, v_descale = self._descales[layer_id]
             fp8 = {"k_descale": k_descale.expand(shape), "v_descale": v_descale.expand(shape)}

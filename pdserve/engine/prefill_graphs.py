@@ -71,7 +71,9 @@ class PrefillGraphs:
         self.residual = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=device)
         self.hidden = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=device)
         heads = model.heads.num_heads
-        self.queries = torch.zeros(n, heads, cfg.head_dim, dtype=dtype, device=device)
+        # In e4m3 where the attention takes FP8 queries (the fused RoPE kernel writes them so).
+        self.queries = torch.zeros(n, heads, cfg.head_dim, device=device,
+                                   dtype=torch.float8_e4m3fn if attn.fp8_queries else dtype)
         self.attn_out = torch.zeros(n, heads * cfg.head_dim, dtype=dtype, device=device)
         # Each bucket's pieces, in order: a graph's replay, or the piece itself uncaptured.
         self.graphs: dict[int, list[Callable[[], None]]] = {}

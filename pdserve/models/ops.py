@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pdserve.kvcache.kv_dtype import is_fp8, quantize_fp8
+from pdserve.kvcache.kv_dtype import FP8_E4M3, FP8_E4M3_MAX, is_fp8, quantize_fp8
 from pdserve.models.fp8_gemm import Fp8Rows, quantize_rows
 
 
@@ -30,9 +30,11 @@ class TorchOps:
                       cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       num_heads: int, num_kv_heads: int, head_dim: int,
                       q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
-                      eps: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                      eps: float, k_scale: float = 1.0, v_scale: float = 1.0,
+                      fp8_q: bool = False) -> torch.Tensor:
         """(q/k RMSNorm,) RoPE and the K/V store of one layer, as the fused kernel does them
-        (CudaOps; here for checking what calls it on the CPU); returns q [tokens, heads, dim]."""
+        (CudaOps; here for checking what calls it on the CPU); returns q [tokens, heads, dim],
+        saturated to e4m3 with ``fp8_q``."""
         q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim,
                              num_kv_heads * head_dim], dim=-1)
         q = q.reshape(-1, num_heads, head_dim)
@@ -48,7 +50,7 @@ class TorchOps:
             else:
                 stored = values.to(cache.dtype)
             cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, stored)
-        return q
+        return q.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_E4M3) if fp8_q else q
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x32 = x.float()
@@ -185,12 +187,14 @@ class CudaOps(TorchOps):
                       cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       num_heads: int, num_kv_heads: int, head_dim: int,
                       q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
-                      eps: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                      eps: float, k_scale: float = 1.0, v_scale: float = 1.0,
+                      fp8_q: bool = False) -> torch.Tensor:
         """(q/k RMSNorm,) RoPE and the K/V store of one layer in one kernel; returns q."""
         from pdserve.models.rope_kv_kernel import rope_store_kv
 
         return rope_store_kv(qkv, positions, slots, cos_sin, k_cache, v_cache, num_heads,
-                             num_kv_heads, head_dim, q_norm, k_norm, eps, k_scale, v_scale)
+                             num_kv_heads, head_dim, q_norm, k_norm, eps, k_scale, v_scale,
+                             fp8_q)
 
     def rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
              cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,7 @@ import triton.language as tl
 def _rope_store_kv(qkv, q_out, k_cache, v_cache, positions, slots, cos_sin, q_norm_w, k_norm_w,
                    eps, k_scale, v_scale, qkv_stride, num_heads, num_kv_heads,
                    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, QK_NORM: tl.constexpr,
-                   FP8_KV: tl.constexpr, FP8_MAX: tl.constexpr):
+                   FP8_KV: tl.constexpr, FP8_MAX: tl.constexpr, FP8_Q: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)                  # 0: the q heads, 1: the k heads, 2: the v heads
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -63,8 +63,13 @@ def _rope_store_kv(qkv, q_out, k_cache, v_cache, positions, slots, cos_sin, q_no
         o2 = (b * cos + a * sin).to(x1.dtype)
         if part == 0:
             dst = q_out + token * num_heads * HEAD_DIM + heads * HEAD_DIM + dims
-            tl.store(dst, o1, mask=mask)
-            tl.store(dst + HALF, o2, mask=mask)
+            if FP8_Q:   # the rotated q in the activations' dtype, then saturated to e4m3
+                q1 = tl.minimum(tl.maximum(o1.to(tl.float32), -FP8_MAX), FP8_MAX)
+                q2 = tl.minimum(tl.maximum(o2.to(tl.float32), -FP8_MAX), FP8_MAX)
+            else:
+                q1, q2 = o1, o2
+            tl.store(dst, q1.to(q_out.dtype.element_ty), mask=mask)
+            tl.store(dst + HALF, q2.to(q_out.dtype.element_ty), mask=mask)
         else:
             if FP8_KV:   # the rotated K in the activations' dtype, then quantized
                 k1 = tl.minimum(tl.maximum(o1.to(tl.float32) / k_scale, -FP8_MAX), FP8_MAX)
@@ -84,13 +89,16 @@ def rope_store_kv(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tenso
                   cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   num_heads: int, num_kv_heads: int, head_dim: int,
                   q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-                  eps: float = 1e-6, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                  eps: float = 1e-6, k_scale: float = 1.0, v_scale: float = 1.0,
+                  fp8_q: bool = False) -> torch.Tensor:
     """qkv: [tokens, (heads + 2 kv_heads) * dim] (rows may be strided); cos_sin: [positions, dim]
     float32; k_cache/v_cache: one layer's contiguous [pages, page_size, kv_heads, dim], 16-bit
     or FP8 (K and V stored divided by ``k_scale``/``v_scale``, as KVPool.store_kv stores them).
-    Writes K and V at ``slots``; returns the rotated q [tokens, heads, dim]."""
+    Writes K and V at ``slots``; returns the rotated q [tokens, heads, dim], with ``fp8_q``
+    saturated to e4m3 (as FA3 reads it over FP8 pages)."""
     tokens = qkv.shape[0]
-    q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    q = torch.empty(tokens, num_heads, head_dim,
+                    dtype=torch.float8_e4m3fn if fp8_q else qkv.dtype, device=qkv.device)
     if tokens == 0:
         return q
     assert qkv.stride(1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -101,5 +109,5 @@ def rope_store_kv(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tenso
         q_norm if qk_norm else cos_sin, k_norm if qk_norm else cos_sin, eps, float(k_scale),
         float(v_scale), qkv.stride(0), num_heads, num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(max(num_heads, num_kv_heads)), QK_NORM=qk_norm,
-        FP8_KV=fp8, FP8_MAX=torch.finfo(torch.float8_e4m3fn).max)
+        FP8_KV=fp8, FP8_MAX=torch.finfo(torch.float8_e4m3fn).max, FP8_Q=fp8_q)
     return q
