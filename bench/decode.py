@@ -114,6 +114,8 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto",
                         choices=("auto", "bfloat16", "fp8_e4m3"))
     parser.add_argument("--attention-backend", default="auto", help="auto, fa or fi")
+    parser.add_argument("--unfused-fp8-queries", action="store_true",
+                        help="FA3 over FP8 pages casts its queries (not the RoPE kernel)")
     parser.add_argument("--tensor-core-min-batch", type=int, default=-1, metavar="N",
                         help="decode attention on tensor cores from batch N whatever the head "
                              "grouping (fi.TENSOR_CORE_MIN_BATCH; default the backend's rule)")
@@ -127,6 +129,9 @@ def main() -> None:
     if args.moe_direct_max >= 0:   # before the graphs are captured
         from pdserve.models import moe_kernel
         moe_kernel.DIRECT_MAX_ASSIGNMENTS = args.moe_direct_max
+    if args.unfused_fp8_queries:
+        from pdserve.attention import fa
+        fa.FP8_QUERIES_FROM_ROPE = False
     if args.tensor_core_min_batch >= 0:
         from pdserve.attention import fi
         fi.TENSOR_CORE_MIN_GROUP = 1 << 30

@@ -22,6 +22,9 @@ from pdserve.kvcache.kv_dtype import FP8_E4M3, FP8_E4M3_MAX
 from pdserve.kvcache.pool import NULL_PAGE, KVPool
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
+# Over FP8 pages the fused RoPE kernel writes the queries in e4m3 (bench/decode.py
+# --unfused-fp8-queries casts them here instead).
+FP8_QUERIES_FROM_ROPE = True
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -40,7 +43,7 @@ class FlashAttentionBackend(AttentionBackend):
             tuple(torch.tensor([[scale]], dtype=torch.float32, device=pool.tensor.device)
                   for scale in (pool.k_scales[layer], pool.v_scales[layer]))
             for layer in range(pool.layout.num_layers)] if pool.quantized else []
-        self.fp8_queries = pool.quantized
+        self.fp8_queries = pool.quantized and FP8_QUERIES_FROM_ROPE
         # Decode graphs' page table [max batch, pages of the longest sequence] and lengths.
         self._graph_table: torch.Tensor | None = None
         self._graph_lens: torch.Tensor | None = None
