@@ -22,10 +22,10 @@ from pdserve.kvcache.kv_dtype import FP8_E4M3, FP8_E4M3_MAX
 from pdserve.kvcache.pool import NULL_PAGE, KVPool
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 # Over FP8 pages the fused RoPE kernel writes the queries in e4m3 (bench/decode.py
 # --unfused-fp8-queries casts them here instead).
 FP8_QUERIES_FROM_ROPE = True
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
 
 class FlashAttentionBackend(AttentionBackend):
