@@ -116,6 +116,8 @@ def main() -> None:
     parser.add_argument("--attention-backend", default="auto", help="auto, fa or fi")
     parser.add_argument("--unfused-fp8-queries", action="store_true",
                         help="FA3 over FP8 pages casts its queries (not the RoPE kernel)")
+    parser.add_argument("--unfused-fa-schedule", action="store_true",
+                        help="FA3's decode graphs schedule every layer (not once a step)")
     parser.add_argument("--tensor-core-min-batch", type=int, default=-1, metavar="N",
                         help="decode attention on tensor cores from batch N whatever the head "
                              "grouping (fi.TENSOR_CORE_MIN_BATCH; default the backend's rule)")
@@ -132,6 +134,9 @@ def main() -> None:
     if args.unfused_fp8_queries:
         from pdserve.attention import fa
         fa.FP8_QUERIES_FROM_ROPE = False
+    if args.unfused_fa_schedule:
+        from pdserve.attention import fa
+        fa.SCHEDULE_ONCE = False
     if args.tensor_core_min_batch >= 0:
         from pdserve.attention import fi
         fi.TENSOR_CORE_MIN_GROUP = 1 << 30

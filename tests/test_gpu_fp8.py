@@ -136,8 +136,8 @@ def test_fused_rope_store_kv_quantizes_into_fp8_pages_as_the_pool_does(scales):
 
 
 def _decode_runner(model: str, **config) -> ModelRunner:
-    return ModelRunner(EngineConfig(model=model, page_size=16, num_pages=512,
-                                    cuda_graph_max_bs=8, **config), "decode")
+    return ModelRunner(EngineConfig(**{"model": model, "page_size": 16, "num_pages": 512,
+                                       "cuda_graph_max_bs": 8, **config}), "decode")
 
 
 @pytest.mark.parametrize("block, kernel", [(None, "rowwise"), ((128, 128), "blockwise")])
@@ -244,12 +244,20 @@ def test_fp8_kv_decode_in_cuda_graphs_stays_close_to_bfloat16_kv(backend):
 def test_fa3_decode_in_cuda_graphs_computes_what_it_does_eagerly(kv_cache_dtype, tolerance):
     """FA3's decode graphs (a fixed page table, stale columns past each row's pages) give
     the eager step's logits: rows of 1-333 tokens, padded to a captured size, twice over so
-    the second step reads a table an earlier, longer step wrote."""
+    the second step reads a table an earlier, longer step wrote; then one row and 24 rows
+    (few rows share the first layer's split schedule, many schedule every layer)."""
+    from pdserve.attention import fa
+
     runner = _decode_runner("qwen3-0.6b", kv_cache_dtype=kv_cache_dtype,
-                            attention_backend="fa")
+                            attention_backend="fa", cuda_graph_max_bs=32)
     assert runner.backend_name == "fa" and runner.graphs is not None
+    assert runner.attn._shared_splits(8) > 1 and runner.attn._shared_splits(24) == 0
+    assert fa.SCHEDULE_ONCE
     assert_graph_step_matches_eager(runner, (333, 200, 64, 17, 1), seed=3, tolerance=tolerance)
     assert_graph_step_matches_eager(runner, (5, 40, 2), seed=4, tolerance=tolerance)
+    assert_graph_step_matches_eager(runner, (700,), seed=5, tolerance=tolerance)
+    assert_graph_step_matches_eager(runner, tuple(range(10, 250, 10)), seed=6,
+                                    tolerance=tolerance)
 
 
 def test_cluster_with_fp8_weights_and_kv_matches_the_single_process():

@@ -6,7 +6,9 @@ in the pool and later chunks of chunked prompts alike (the causal mask is aligne
 each sequence's keys). The step's new K/V are in their slots before it runs (one index_copy
 per cache, or stored by the fused RoPE kernel). Decode steps in CUDA graphs read a fixed page
 table as wide as the longest sequence and fixed lengths, copied in before each replay; the
-kernel splits each row's keys by its length on the device.
+kernel splits each row's keys by its length on the device, from a schedule the first layer
+computes for every layer of the step (FA3 otherwise recomputes it in a kernel of its own in
+each layer).
 
 Over an FP8 pool FA3 computes in FP8 throughout: it takes no 16-bit queries with FP8 keys, so the
 queries are cast to e4m3 (saturating), the layer's K and V scales go in as descale factors, and
@@ -26,6 +28,10 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 # Over FP8 pages the fused RoPE kernel writes the queries in e4m3 (bench/decode.py
 # --unfused-fp8-queries casts them here instead).
 FP8_QUERIES_FROM_ROPE = True
+# Decode graphs compute FA3's split schedule once a step, in the first layer, not in every layer
+# (bench/decode.py --unfused-fa-schedule measures it per layer).
+SCHEDULE_ONCE = True
+MAX_SPLITS = 32
 
 
 class FlashAttentionBackend(AttentionBackend):
@@ -34,9 +40,15 @@ class FlashAttentionBackend(AttentionBackend):
     def __init__(self, pool: KVPool, num_heads: int, head_dim: int,
                  q_dtype: torch.dtype | None = None) -> None:
         super().__init__(pool, num_heads, head_dim, q_dtype)
-        from sgl_kernel.flash_attn import flash_attn_with_kvcache
+        from sgl_kernel import flash_attn
 
-        self._flash_attn = flash_attn_with_kvcache
+        self._flash_attn = flash_attn.flash_attn_with_kvcache
+        # Absent from older sgl-kernel builds: each layer then schedules itself.
+        self._get_schedule = getattr(flash_attn, "get_scheduler_metadata", None)
+        self._schedule: torch.Tensor | None = None   # this decode step's, from layer 0
+        device = pool.tensor.device
+        self._sms = (torch.cuda.get_device_properties(device).multi_processor_count
+                     if device.type == "cuda" else 0)
         # Each layer's K and V scales as the kernel reads them: [1, 1] float32 on the device,
         # expanded (no copy) to [sequences, kv heads] per step.
         self._descales = [
@@ -54,26 +66,45 @@ class FlashAttentionBackend(AttentionBackend):
     def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
         graph = batch.attn_metadata   # (page table, lengths) of a decode graph, or None
         rows = q.shape[0] if graph is not None else batch.cu_seqlens_q.shape[0] - 1
-        fp8: dict[str, torch.Tensor] = {}
+        extra: dict[str, torch.Tensor] = {}   # FP8 descales, the step's schedule
         if self.pool.quantized:
             if q.dtype != FP8_E4M3:   # the fused RoPE kernel casts them already
                 q = q.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_E4M3)
             shape = (rows, self.pool.layout.num_kv_heads)
             k_descale, v_descale = self._descales[layer_id]
-            fp8 = {"k_descale": k_descale.expand(shape), "v_descale": v_descale.expand(shape)}
+            extra = {"k_descale": k_descale.expand(shape), "v_descale": v_descale.expand(shape)}
         if graph is not None:   # one query a row: [rows, 1, heads, dim], no varlen metadata
             table, lens = graph
+            splits = self._shared_splits(rows)
+            if splits:
+                if layer_id == 0:   # captured with the step: recomputed on every replay
+                    self._schedule = self._get_schedule(
+                        rows, 1, table.shape[1] * self.pool.page_size, q.shape[1],
+                        self.pool.layout.num_kv_heads, self.head_dim, lens, qkv_dtype=q.dtype,
+                        page_size=self.pool.page_size, causal=True, num_splits=splits)
+                extra.update(scheduler_metadata=self._schedule, num_splits=splits)
             out = self._flash_attn(
                 q.unsqueeze(1), self.pool.k_cache(layer_id), self.pool.v_cache(layer_id),
                 page_table=table, cache_seqlens=lens, softmax_scale=self.scale, causal=True,
-                **fp8).squeeze(1)
+                **extra).squeeze(1)
         else:
             out = self._flash_attn(
                 q, self.pool.k_cache(layer_id), self.pool.v_cache(layer_id),
                 page_table=batch.page_table, cache_seqlens=batch.seq_lens_kv,
                 cu_seqlens_q=batch.cu_seqlens_q, max_seqlen_q=batch.max_seqlen_q,
-                softmax_scale=self.scale, causal=True, **fp8)
+                softmax_scale=self.scale, causal=True, **extra)
         return out if out.dtype == self.q_dtype else out.to(self.q_dtype)
+
+    def _shared_splits(self, rows: int) -> int:
+        """The most key splits a decode graph of ``rows`` rows may use when its layers share
+        one schedule, or 0 to let each layer schedule itself. Shared only where the rows leave
+        half the SMs idle: a split step ends in FA3's combine kernel, which zeroes the tile
+        counter the next layer's kernel counts from (the per-layer schedule zeroes it
+        otherwise)."""
+        if not SCHEDULE_ONCE or self._get_schedule is None:
+            return 0
+        tiles = rows * self.pool.layout.num_kv_heads
+        return min(MAX_SPLITS, self._sms // tiles) if 2 * tiles <= self._sms else 0
 
     # CUDA graphs (decode only)
     def init_capture_graph(self, max_seq_len: int, bs_list: list[int]) -> None:
