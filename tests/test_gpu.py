@@ -79,8 +79,12 @@ def test_auto_choice_on_this_gpu():
     prefill = resolve_backend("auto", "prefill", CUDA, torch.bfloat16, 128)[0]
     assert prefill == ("fa" if major == 9 else "fi")
     assert resolve_backend("auto", "decode", CUDA, torch.bfloat16, 128)[0] == "fi"
+    assert resolve_backend("auto", "decode", CUDA, torch.bfloat16, 128, group=2)[0] == "fi"
     decode_fp8 = resolve_backend("auto", "decode", CUDA, torch.bfloat16, 128, kv_fp8=True)[0]
     assert decode_fp8 == ("fa" if major == 9 else "fi")
+    for group in (4, 8):   # llama3-8b's and qwen3-30b-a3b's heads
+        decode = resolve_backend("auto", "decode", CUDA, torch.bfloat16, 128, group=group)[0]
+        assert decode == ("fa" if major == 9 else "fi")
     assert resolve_backend("auto", "decode", CUDA, torch.float32, 128)[0] == "torch"
     assert resolve_backend("auto", "prefill", CUDA, torch.bfloat16, 16)[0] == "torch"
 

@@ -22,14 +22,20 @@ KERNEL_LIMITS = {
     "fa": ((64, 96, 128, 192, 256), (torch.float16, torch.bfloat16), "sgl_kernel.flash_attn"),
     "fi": ((64, 128, 256), (torch.float16, torch.bfloat16), "flashinfer"),
 }
+# Query heads a KV head from which 16-bit decode on Hopper runs FA3 (FlashInfer's own switch to
+# its tensor-core kernel, fi.TENSOR_CORE_MIN_GROUP, is at the same group).
+FA_DECODE_MIN_GROUP = 4
 
 
 def resolve_backend(name: str, role: str, device: torch.device, dtype: torch.dtype,
-                    head_dim: int, kv_fp8: bool = False) -> tuple[str, str]:
+                    head_dim: int, kv_fp8: bool = False, group: int = 1) -> tuple[str, str]:
     """The backend to use and why: ``name`` if given, else the choice for this role and device:
-    prefill on SM90 -> fa, prefill on other CUDA GPUs -> fi, decode on CUDA -> fi (fa on SM90
-    over FP8 pages, where it reads mixed-length rows 1.2-1.5x faster:
-    bench/results/h100-fp8-kv-decode-fa3/), else torch."""
+    prefill on SM90 -> fa, prefill on other CUDA GPUs -> fi, decode on CUDA -> fi, else torch.
+    Decode on SM90 is fa over FP8 pages (it reads mixed-length rows 1.2-1.5x faster:
+    bench/results/h100-fp8-kv-decode-fa3/) and where ``group`` (query heads a KV head) is
+    FA_DECODE_MIN_GROUP or more, where FlashInfer decodes on its tensor-core prefill kernel
+    and FA3 is as fast or faster; smaller groups keep FlashInfer's CUDA-core decode kernel,
+    which FA3 trails at small batches (bench/results/h100-bf16-decode-fa3/)."""
     if name != "auto":
         if name not in BACKENDS:
             raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(BACKENDS)}")
@@ -37,7 +43,8 @@ def resolve_backend(name: str, role: str, device: torch.device, dtype: torch.dty
     if device.type != "cuda":
         return "torch", "no CUDA device"
     major, _ = torch.cuda.get_device_capability(device)
-    preferred = "fa" if major == 9 and (role == "prefill" or kv_fp8) else "fi"
+    fa_decode = kv_fp8 or group >= FA_DECODE_MIN_GROUP
+    preferred = "fa" if major == 9 and (role == "prefill" or fa_decode) else "fi"
     head_dims, dtypes, module = KERNEL_LIMITS[preferred]
     if head_dim not in head_dims or dtype not in dtypes:
         return "torch", f"{preferred} needs head_dim in {head_dims} and fp16/bf16"

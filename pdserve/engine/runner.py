@@ -148,7 +148,8 @@ class ModelRunner:
                 "--gpu-memory-utilization or --kv-cache-gb, or free the GPU") from err
         self.backend_name, reason = resolve_backend(config.attention_backend, role, self.device,
                                                     dtype, self.model_config.head_dim,
-                                                    is_fp8(kv_dtype))
+                                                    is_fp8(kv_dtype),
+                                                    heads.num_heads // heads.num_kv_heads)
         self.attn = create_backend(self.backend_name, self.pool, heads.num_heads,
                                    self.model_config.head_dim, dtype)
         log.info("%s: model %s (%s) on %s; attention backend %r (%s); layer kernels %s; "
