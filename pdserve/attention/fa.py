@@ -1,5 +1,5 @@
 """`fa`: FlashAttention-3 (sgl_kernel) over the paged pool; the prefill backend on Hopper, and
-decode's over an FP8 pool.
+decode's there over an FP8 pool or from 4 query heads a KV head.
 
 One kernel per layer for the whole varlen batch: fresh prompts, prompts whose prefix is already
 in the pool and later chunks of chunked prompts alike (the causal mask is aligned to the end of
@@ -11,8 +11,8 @@ computes for every layer of the step (FA3 otherwise recomputes it in a kernel of
 each layer).
 
 Over an FP8 pool FA3 computes in FP8 throughout: it takes no 16-bit queries with FP8 keys, so the
-queries are cast to e4m3 (saturating), the layer's K and V scales go in as descale factors, and
-the output comes back in bf16.
+queries come in e4m3 (written so by the fused RoPE kernel, else cast here, saturating), the
+layer's K and V scales go in as descale factors, and the output comes back in bf16.
 """
 from __future__ import annotations
 
