@@ -56,6 +56,18 @@ def test_up_reports_a_mistake_in_one_line(flags, words):
     _one_line_error(_pdserve("up", "--port", str(free_port()), *flags), *words)
 
 
+def test_up_checks_its_flags_without_importing_torch():
+    """`up` only starts children: its checks, and a mistake's one line, come without torch's
+    import (seconds of CPU, hundreds of MB held for the cluster's life)."""
+    result = _pdserve("up", "--port", str(free_port()), "--kv-cache-gb", "-1",
+                      env={"PYTHONPROFILEIMPORTTIME": "1"})
+    imported = [line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()
+                if line.startswith("import time:")]
+    assert "pdserve.preflight" in imported and "pdserve.attention" in imported, imported[-5:]
+    assert "torch" not in imported
+    assert result.returncode == 2 and "--kv-cache-gb" in result.stderr.splitlines()[-1]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")
 def test_cuda_without_cuda_is_one_line():
     _one_line_error(_pdserve("up", "--port", str(free_port()), "--device", "cuda"), "CUDA")

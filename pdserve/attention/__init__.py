@@ -5,9 +5,9 @@ import importlib
 import importlib.util
 from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:   # torch is imported where a backend is chosen: `up`'s checks run without it
+    import torch
 
-if TYPE_CHECKING:
     from pdserve.attention.base import AttentionBackend
     from pdserve.kvcache.pool import KVPool
 
@@ -19,8 +19,8 @@ BACKENDS: dict[str, str] = {
 }
 # What the kernels take (checked before choosing them automatically).
 KERNEL_LIMITS = {
-    "fa": ((64, 96, 128, 192, 256), (torch.float16, torch.bfloat16), "sgl_kernel.flash_attn"),
-    "fi": ((64, 128, 256), (torch.float16, torch.bfloat16), "flashinfer"),
+    "fa": ((64, 96, 128, 192, 256), ("float16", "bfloat16"), "sgl_kernel.flash_attn"),
+    "fi": ((64, 128, 256), ("float16", "bfloat16"), "flashinfer"),
 }
 # Query heads a KV head from which 16-bit decode on Hopper runs FA3 (FlashInfer's own switch to
 # its tensor-core kernel, fi.TENSOR_CORE_MIN_GROUP, is at the same group).
@@ -42,11 +42,13 @@ def resolve_backend(name: str, role: str, device: torch.device, dtype: torch.dty
         return name, "chosen by flag"
     if device.type != "cuda":
         return "torch", "no CUDA device"
+    import torch
+
     major, _ = torch.cuda.get_device_capability(device)
     fa_decode = kv_fp8 or group >= FA_DECODE_MIN_GROUP
     preferred = "fa" if major == 9 and (role == "prefill" or fa_decode) else "fi"
     head_dims, dtypes, module = KERNEL_LIMITS[preferred]
-    if head_dim not in head_dims or dtype not in dtypes:
+    if head_dim not in head_dims or str(dtype).removeprefix("torch.") not in dtypes:
         return "torch", f"{preferred} needs head_dim in {head_dims} and fp16/bf16"
     if importlib.util.find_spec(module.split(".")[0]) is None:
         return "torch", f"{module} is not installed (pip install 'pdserve[gpu]')"
