@@ -105,6 +105,9 @@ def main() -> None:
     parser.add_argument("--moe-direct-max", type=int, default=-1, metavar="N",
                         help="mixtures of experts: steps of up to N assignments skip the sort "
                              "(moe_kernel.DIRECT_MAX_ASSIGNMENTS; 0 never; default its own)")
+    parser.add_argument("--moe-direct-tiles", default="", metavar="NAME=N,K,W ...",
+                        help="the few-token expert kernels' tilings (moe_kernel.DIRECT_TILES), "
+                             "e.g. 'down_proj=4,256,4' (bench/moe_direct.py sweeps them)")
     parser.add_argument("--cublas-gemv", action="store_true",
                         help="batch-1 linear layers through cuBLAS, not the Triton GEMV")
     parser.add_argument("--tp-shard", type=int, default=1, metavar="N",
@@ -128,6 +131,10 @@ def main() -> None:
     except ValueError as e:
         parser.error(str(e))
     sizes = [int(b) for b in args.batch_sizes.split(",")]
+    for item in args.moe_direct_tiles.split():
+        from pdserve.models import moe_kernel
+        name, tile = item.split("=")
+        moe_kernel.DIRECT_TILES[name] = tuple(int(v) for v in tile.split(","))
     if args.moe_direct_max >= 0:   # before the graphs are captured
         from pdserve.models import moe_kernel
         moe_kernel.DIRECT_MAX_ASSIGNMENTS = args.moe_direct_max
@@ -206,6 +213,7 @@ def main() -> None:
         "attention_backend": runner.backend_name, "layer_kernels": runner.model.ops.name,
         "fused_rope_kv": runner.model.fuse_rope_kv, "triton_gemv": runner.model.use_gemv,
         "fused_fp8_quant": runner.model.fuse_fp8_quant, "moe_direct_max": args.moe_direct_max,
+        "moe_direct_tiles": args.moe_direct_tiles,
         "weight_bytes": weight_bytes + expert_bytes, "expert_bytes": expert_bytes,
         "copy_bandwidth_bytes_per_s": bandwidth,
         "bandwidth_floor_bs1_ms": round(floor_ms + kv_bytes_per_token * (args.context + 1)

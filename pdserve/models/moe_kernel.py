@@ -350,20 +350,25 @@ def _direct_down_sum(h, w, out, chosen, weights, hidden, inter, stride_hm, strid
 DIRECT_MAX_ASSIGNMENTS = 32
 
 
-def _direct_plan(experts: torch.nn.Module, name: str) -> tuple[int, int, int] | None:
-    """(W_SCALES, BLOCK_N, BLOCK_K) of the direct kernels for weight ``name``: whole rows of up
-    to 2,048 columns a step, as gemv_kernel's; FP8 blocks of columns one a step. None for a
-    blocking they do not take."""
+# 16-bit experts' tilings of the direct kernels by weight name, (BLOCK_N, BLOCK_K, warps), in
+# place of _direct_plan's (bench/moe_direct.py sweeps them).
+DIRECT_TILES: dict[str, tuple[int, int, int]] = {}
+
+
+def _direct_plan(experts: torch.nn.Module, name: str) -> tuple[int, int, int, int] | None:
+    """(W_SCALES, BLOCK_N, BLOCK_K, warps) of the direct kernels for weight ``name``: whole
+    rows of up to 2,048 columns a step, as gemv_kernel's; FP8 blocks of columns one a step.
+    None for a blocking they do not take."""
     k = getattr(experts, name).shape[2]
     block_n, block_k = (2 if k > 1024 else 4), min(2048, triton.next_power_of_2(k))
     if not experts.quantized:
-        return 0, block_n, block_k
+        return (0, *DIRECT_TILES[name]) if name in DIRECT_TILES else (0, block_n, block_k, 4)
     cols = experts.scale_cols[name]
     if cols >= k:
-        return 1, block_n, block_k
+        return 1, block_n, block_k, 4
     if cols & (cols - 1) or cols < 16:
         return None
-    return 2, block_n, min(block_k, cols)
+    return 2, block_n, min(block_k, cols), 4
 
 
 def direct_experts(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Tensor,
@@ -376,7 +381,7 @@ def direct_experts(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Ten
     plans = _direct_plan(experts, "gate_up_proj"), _direct_plan(experts, "down_proj")
     if None in plans:
         return None
-    (gate_mode, gate_n, gate_k), (down_mode, down_n, down_k) = plans
+    (gate_mode, gate_n, gate_k, gate_warps), (down_mode, down_n, down_k, down_warps) = plans
     x = x.contiguous()
     chosen = chosen.reshape(-1).contiguous()
     h = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
@@ -385,7 +390,7 @@ def direct_experts(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Ten
         x, gate_up, h, chosen, gate_scale, inter, hidden, top_k, x.stride(0), gate_up.stride(0),
         gate_up.stride(1), h.stride(0), gate_scale.stride(0) if gate_mode else 0,
         gate_scale.stride(1) if gate_mode else 0, experts.scale_cols.get("gate_up_proj", 1),
-        W_SCALES=gate_mode, BLOCK_N=gate_n, BLOCK_K=gate_k, num_warps=4)
+        W_SCALES=gate_mode, BLOCK_N=gate_n, BLOCK_K=gate_k, num_warps=gate_warps)
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     down_scale = experts.down_proj_scale if down_mode else down
     _direct_down_sum[(tokens, triton.cdiv(hidden, down_n))](
@@ -393,7 +398,7 @@ def direct_experts(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Ten
         down.stride(0), down.stride(1), out.stride(0), down_scale,
         down_scale.stride(0) if down_mode else 0, down_scale.stride(1) if down_mode else 0,
         experts.scale_cols.get("down_proj", 1), TOP_K=top_k, W_SCALES=down_mode,
-        BLOCK_N=down_n, BLOCK_K=down_k, num_warps=4)
+        BLOCK_N=down_n, BLOCK_K=down_k, num_warps=down_warps)
     return out
 
 
