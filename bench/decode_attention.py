@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import write_results  # noqa: E402
+from common import cuda_time_ms, write_results  # noqa: E402
 
 HEAD_DIM = 128
 CALLS_PER_GRAPH = 20
@@ -98,14 +98,7 @@ def time_us(call) -> float:  # noqa: ANN001
     with torch.cuda.graph(graph):
         for _ in range(CALLS_PER_GRAPH):
             call()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (10 * CALLS_PER_GRAPH)
+    return cuda_time_ms(graph.replay, iters=10) * 1e3 / CALLS_PER_GRAPH
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import write_results  # noqa: E402
+from common import cuda_time_ms, write_results  # noqa: E402
 from moe_sort import EXPERTS, HIDDEN, TOP_K  # noqa: E402
 from moe_sort import Experts as SortedExperts  # noqa: E402
 
@@ -51,15 +51,7 @@ def time_us(experts: Experts, x: torch.Tensor, weights: torch.Tensor,
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         outs = [moe_kernel.direct_experts(x, experts, weights, c) for c in chosen]
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (10 * len(chosen)), [o.clone() for o in outs]
+    return cuda_time_ms(graph.replay, iters=10) * 1e3 / len(chosen), [o.clone() for o in outs]
 
 
 def main() -> None:
