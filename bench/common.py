@@ -1,4 +1,5 @@
-"""Shared by the benchmark scripts: timing on the GPU, device limits, writing results."""
+"""Shared by the benchmark scripts: timing on the GPU, device limits, writing results. torch is
+imported where it is used: the client-side benches (throughput, serving) start without it."""
 from __future__ import annotations
 
 import collections
@@ -11,11 +12,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-
 
 def cuda_time_ms(fn: Callable[[], Any], iters: int = 20, warmup: int = 3) -> float:
     """Mean milliseconds of ``fn`` over ``iters`` runs, timed with CUDA events."""
+    import torch
+
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -31,6 +32,8 @@ def cuda_time_ms(fn: Callable[[], Any], iters: int = 20, warmup: int = 3) -> flo
 def graph_time_ms(fn: Callable[[], Any], calls: int = 20) -> float:
     """GPU milliseconds of one ``fn()``, from a CUDA graph of ``calls`` of them: launched one by
     one, the host's launches (tens of microseconds for Triton) would be timed instead."""
+    import torch
+
     fn()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -46,6 +49,8 @@ def graph_time_ms(fn: Callable[[], Any], calls: int = 20) -> float:
 
 def copy_bandwidth_bytes_per_s(size_bytes: int = 4 << 30) -> float:
     """Device-to-device copy, counting bytes read and written."""
+    import torch
+
     src = torch.empty(size_bytes // 2, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     ms = cuda_time_ms(lambda: dst.copy_(src), iters=10)
@@ -54,6 +59,8 @@ def copy_bandwidth_bytes_per_s(size_bytes: int = 4 << 30) -> float:
 
 def matmul_flops_per_s(n: int = 8192) -> float:
     """Dense bf16 peak as a plain matmul reaches it."""
+    import torch
+
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     ms = cuda_time_ms(lambda: a @ b, iters=10)
@@ -61,6 +68,8 @@ def matmul_flops_per_s(n: int = 8192) -> float:
 
 
 def write_results(path: str, name: str, results: dict[str, Any]) -> None:
+    import torch
+
     payload = {"benchmark": name, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                "torch": torch.__version__, "python": platform.python_version(), **results}
