@@ -131,19 +131,17 @@ def main() -> None:
     except ValueError as e:
         parser.error(str(e))
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    for item in args.moe_direct_tiles.split():
-        from pdserve.models import moe_kernel
-        name, tile = item.split("=")
-        moe_kernel.DIRECT_TILES[name] = tuple(int(v) for v in tile.split(","))
-    if args.moe_direct_max >= 0:   # before the graphs are captured
-        from pdserve.models import moe_kernel
-        moe_kernel.DIRECT_MAX_ASSIGNMENTS = args.moe_direct_max
-    if args.unfused_fp8_queries:
-        from pdserve.attention import fa
-        fa.FP8_QUERIES_FROM_ROPE = False
-    if args.unfused_fa_schedule:
-        from pdserve.attention import fa
-        fa.SCHEDULE_ONCE = False
+    # Switches read when the graphs are captured: set before the runner is built.
+    from pdserve.attention import fa
+    if args.moe_direct_tiles or args.moe_direct_max >= 0:
+        from pdserve.models import moe_kernel   # Triton: GPU machines only
+        for item in args.moe_direct_tiles.split():
+            name, tile = item.split("=")
+            moe_kernel.DIRECT_TILES[name] = tuple(int(v) for v in tile.split(","))
+        if args.moe_direct_max >= 0:
+            moe_kernel.DIRECT_MAX_ASSIGNMENTS = args.moe_direct_max
+    fa.FP8_QUERIES_FROM_ROPE = not args.unfused_fp8_queries
+    fa.SCHEDULE_ONCE = not args.unfused_fa_schedule
     if args.tensor_core_min_batch >= 0:
         from pdserve.attention import fi
         fi.TENSOR_CORE_MIN_GROUP = 1 << 30

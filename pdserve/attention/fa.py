@@ -20,7 +20,7 @@ import torch
 
 from pdserve.attention.base import AttentionBackend
 from pdserve.engine.batch import ForwardBatch, upload
-from pdserve.kvcache.kv_dtype import FP8_E4M3, FP8_E4M3_MAX
+from pdserve.kvcache.kv_dtype import FP8_E4M3, quantize_fp8
 from pdserve.kvcache.pool import NULL_PAGE, KVPool
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
@@ -46,9 +46,7 @@ class FlashAttentionBackend(AttentionBackend):
         # Absent from older sgl-kernel builds: each layer then schedules itself.
         self._get_schedule = getattr(flash_attn, "get_scheduler_metadata", None)
         self._schedule: torch.Tensor | None = None   # this decode step's, from layer 0
-        device = pool.tensor.device
-        self._sms = (torch.cuda.get_device_properties(device).multi_processor_count
-                     if device.type == "cuda" else 0)
+        self._sms = torch.cuda.get_device_properties(pool.tensor.device).multi_processor_count
         # Each layer's K and V scales as the kernel reads them: [1, 1] float32 on the device,
         # expanded (no copy) to [sequences, kv heads] per step.
         self._descales = [
@@ -69,7 +67,7 @@ class FlashAttentionBackend(AttentionBackend):
         extra: dict[str, torch.Tensor] = {}   # FP8 descales, the step's schedule
         if self.pool.quantized:
             if q.dtype != FP8_E4M3:   # the fused RoPE kernel casts them already
-                q = q.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_E4M3)
+                q = quantize_fp8(q, 1.0)
             shape = (rows, self.pool.layout.num_kv_heads)
             k_descale, v_descale = self._descales[layer_id]
             extra = {"k_descale": k_descale.expand(shape), "v_descale": v_descale.expand(shape)}

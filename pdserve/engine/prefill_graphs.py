@@ -31,6 +31,7 @@ import torch
 
 from pdserve.attention.base import AttentionBackend
 from pdserve.engine.batch import ForwardBatch, SeqInput, step_buckets
+from pdserve.kvcache.kv_dtype import FP8_E4M3
 from pdserve.kvcache.pool import NULL_PAGE, KVPool
 from pdserve.models.llama import CausalLM, ForwardContext
 from pdserve.progress import progress
@@ -73,7 +74,7 @@ class PrefillGraphs:
         heads = model.heads.num_heads
         # In e4m3 where the attention takes FP8 queries (the fused RoPE kernel writes them so).
         self.queries = torch.zeros(n, heads, cfg.head_dim, device=device,
-                                   dtype=torch.float8_e4m3fn if attn.fp8_queries else dtype)
+                                   dtype=FP8_E4M3 if attn.fp8_queries else dtype)
         self.attn_out = torch.zeros(n, heads * cfg.head_dim, dtype=dtype, device=device)
         # Each bucket's pieces, in order: a graph's replay, or the piece itself uncaptured.
         self.graphs: dict[int, list[Callable[[], None]]] = {}

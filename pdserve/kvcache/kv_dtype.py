@@ -32,6 +32,7 @@ def is_fp8(dtype: torch.dtype) -> bool:
 
 
 def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """``x / scale`` as e4m3, saturating: a value past +-448 becomes +-448, never NaN."""
-    scaled = x.float() if scale == 1.0 else x.float() / scale
+    """``x / scale`` as e4m3, saturating: a value past +-448 becomes +-448, never NaN. Unscaled,
+    ``x`` is clamped in its own dtype (448 is exact in 16 bits): no float32 copy."""
+    scaled = x if scale == 1.0 else x.float() / scale
     return scaled.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_E4M3)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pdserve.kvcache.kv_dtype import FP8_E4M3, FP8_E4M3_MAX, is_fp8, quantize_fp8
+from pdserve.kvcache.kv_dtype import is_fp8, quantize_fp8
 from pdserve.models.fp8_gemm import Fp8Rows, quantize_rows
 
 
@@ -50,7 +50,7 @@ class TorchOps:
             else:
                 stored = values.to(cache.dtype)
             cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, stored)
-        return q.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_E4M3) if fp8_q else q
+        return quantize_fp8(q, 1.0) if fp8_q else q
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x32 = x.float()

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kvcache.kv_dtype import FP8_E4M3
+
 
 @triton.jit
 def _rope_store_kv(qkv, q_out, k_cache, v_cache, positions, slots, cos_sin, q_norm_w, k_norm_w,
@@ -98,7 +100,7 @@ def rope_store_kv(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tenso
     saturated to e4m3 (as FA3 reads it over FP8 pages)."""
     tokens = qkv.shape[0]
     q = torch.empty(tokens, num_heads, head_dim,
-                    dtype=torch.float8_e4m3fn if fp8_q else qkv.dtype, device=qkv.device)
+                    dtype=FP8_E4M3 if fp8_q else qkv.dtype, device=qkv.device)
     if tokens == 0:
         return q
     assert qkv.stride(1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
