@@ -67,11 +67,13 @@ def gemv_shapes(runner: ModelRunner, bandwidth: float, iters: int = 200) -> list
     for name, w in weights.items():
         x = torch.randn(1, w.shape[1], device=w.device, dtype=w.dtype)
         graph = torch.cuda.CUDAGraph()
-        F.linear(x, w)
+        # What decode's batch-1 graphs run: the Triton GEMV where the model uses it.
+        linear = model.ops.gemv if model.use_gemv else F.linear
+        linear(x, w)
         torch.cuda.synchronize()
         with torch.cuda.graph(graph):
             for _ in range(10):
-                F.linear(x, w)
+                linear(x, w)
         us = cuda_time_ms(graph.replay, iters=iters // 10) * 100  # per call
         floor = w.numel() * w.element_size() / bandwidth * 1e6
         rows.append({"linear": name, "shape": list(w.shape), "us": round(us, 2),
@@ -90,8 +92,18 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto",
                         choices=("auto", "bfloat16", "fp8_e4m3"))
     parser.add_argument("--attention-backend", default="auto", help="auto, fa or fi")
+    parser.add_argument("--no-pdl", action="store_true",
+                        help="launch each Triton kernel after the previous one ends (kernel "
+                             "times then exclude waiting for the previous one)")
+    parser.add_argument("--no-split-kernel", action="store_true",
+                        help="FA3's split and combine kernels for few-row decode graphs")
     parser.add_argument("--out", default="bench/results/profile_decode.json")
     args = parser.parse_args()
+    from pdserve.attention import fa
+    fa.SPLIT_KERNEL = not args.no_split_kernel
+    if args.no_pdl:
+        from pdserve.models import pdl
+        pdl.ENABLED = False
     pages_per_seq = -(-(args.context + 1) // args.page_size)
     runner = ModelRunner(EngineConfig(model=args.model, page_size=args.page_size,
                                       num_pages=pages_per_seq * args.batch + 64,

@@ -16,16 +16,16 @@ import triton.language as tl
 
 from pdserve.models import pdl
 
-BLOCK_N = 32          # keys a loop step
-MIN_CHUNK = 64        # keys a split takes at least: short rows use fewer splits
+BLOCK_N = 64          # keys a loop step
+MIN_CHUNK = 128       # keys a split takes at least: short rows use fewer splits
 
 
 @triton.jit
 def _split_decode(q, k_cache, v_cache, table, lens, out, part_o, part_lse, counters, scale,
                   table_stride, q_stride, out_stride, GROUP: tl.constexpr,
                   GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                  KV_HEADS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                  MIN_CHUNK: tl.constexpr, PDL: tl.constexpr):
+                  KV_HEADS: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
+                  BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -65,33 +65,33 @@ def _split_decode(q, k_cache, v_cache, table, lens, out, part_o, part_lse, count
         tl.store(out_ptrs, (acc / tl.where(seen, total, 1.0)[:, None]).to(out.dtype.element_ty),
                  mask=real[:, None])
     else:
-        lse = tl.where(seen, m + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
-        mine = ((row * KV_HEADS + kv_head) * SPLITS + split) * GROUP_P
-        tl.store(part_o + (mine + heads)[:, None] * HEAD_DIM + dims[None, :],
-                 acc / tl.where(seen, total, 1.0)[:, None])
-        tl.store(part_lse + mine + heads, lse)
+        # Partials [row, KV head, query head, split]: a head's splits side by side for the merge.
+        head_rows = (row * KV_HEADS + kv_head) * GROUP + heads
+        if start < length:
+            lse = m + tl.log(tl.where(seen, total, 1.0))
+            tl.store(part_o + (head_rows * SPLITS + split)[:, None] * HEAD_DIM + dims[None, :],
+                     acc / tl.where(seen, total, 1.0)[:, None], mask=real[:, None])
+            tl.store(part_lse + head_rows * SPLITS + split, lse, mask=real)
         tl.debug_barrier()   # every thread's partial stored before the count below
         counter = counters + row * KV_HEADS + kv_head
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
-            # The last split of this (row, KV head): merge the splits that had keys. Loads
-            # bypass L1, which may hold an earlier layer's partials at these addresses.
+            # The last split of this (row, KV head) merges the splits that had keys, a query
+            # head at a time (unrolled: every head's loads in flight together). Loads bypass
+            # L1, which may hold an earlier layer's partials at these addresses.
             used = tl.cdiv(length, chunk)
-            base = (row * KV_HEADS + kv_head) * SPLITS * GROUP_P
-            best = tl.full([GROUP_P], float("-inf"), tl.float32)
-            for j in range(0, used):
-                best = tl.maximum(best, tl.load(part_lse + base + j * GROUP_P + heads,
-                                                cache_modifier=".cg"))
-            weight_sum = tl.zeros([GROUP_P], tl.float32)
-            merged = tl.zeros([GROUP_P, HEAD_DIM], tl.float32)
-            for j in range(0, used):
-                lse_j = tl.load(part_lse + base + j * GROUP_P + heads, cache_modifier=".cg")
-                w = tl.where(lse_j > float("-inf"), tl.exp(lse_j - best), 0.0)
-                o_j = tl.load(part_o + (base + j * GROUP_P + heads)[:, None] * HEAD_DIM
-                              + dims[None, :], cache_modifier=".cg")
-                weight_sum += w
-                merged += w[:, None] * o_j
-            merged = merged / tl.where(weight_sum > 0, weight_sum, 1.0)[:, None]
-            tl.store(out_ptrs, merged.to(out.dtype.element_ty), mask=real[:, None])
+            parts = tl.arange(0, SPLITS_P)
+            had_keys = parts < used
+            first_row = (row * KV_HEADS + kv_head) * GROUP
+            for head in tl.static_range(GROUP):
+                at = (first_row + head) * SPLITS + parts
+                lse = tl.load(part_lse + at, mask=had_keys, other=float("-inf"),
+                              cache_modifier=".cg")
+                w = tl.where(had_keys, tl.exp(lse - tl.max(lse, axis=0)), 0.0)
+                o = tl.load(part_o + at[:, None] * HEAD_DIM + dims[None, :],
+                            mask=had_keys[:, None], other=0.0, cache_modifier=".cg")
+                merged = tl.sum(w[:, None] * o, axis=0) / tl.maximum(tl.sum(w, axis=0), 1e-30)
+                tl.store(out + row * out_stride + (kv_head * GROUP + head) * HEAD_DIM + dims,
+                         merged.to(out.dtype.element_ty))   # zeros for a padding row
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")   # for the next layer
 
 
@@ -126,6 +126,6 @@ class SplitDecode:
             q, k_cache, v_cache, table, lens, out, self.part_o, self.part_lse, self.counters,
             scale, table.stride(0), q.stride(0), out.stride(0), GROUP=self.group,
             GROUP_P=self.group_p, HEAD_DIM=dim, PAGE=page, KV_HEADS=kv_heads, SPLITS=splits,
-            BLOCK_N=BLOCK_N, MIN_CHUNK=MIN_CHUNK, PDL=dependent, num_warps=4, num_stages=2,
-            launch_pdl=dependent)
+            SPLITS_P=triton.next_power_of_2(splits), BLOCK_N=BLOCK_N, MIN_CHUNK=MIN_CHUNK,
+            PDL=dependent, num_warps=4, num_stages=2, launch_pdl=dependent)
         return out

@@ -50,6 +50,11 @@ def _gemv(x, w, bias, y, N, K, w_stride, HAS_BIAS: tl.constexpr, BLOCK_N: tl.con
     tl.store(y + rows, out.to(y.dtype.element_ty), mask=rows < N)
 
 
+# (BLOCK_N, BLOCK_K, warps) by weight shape (rows, columns), in place of _config's
+# (bench/gemv_tiles.py sweeps them).
+TILES: dict[tuple[int, int], tuple[int, int, int]] = {}
+
+
 def _config(n: int, k: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps), from a sweep with weights not in L2: whole 2048-wide
     slices of one row per step; two rows per program for short rows."""
@@ -61,7 +66,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     n, k = weight.shape
     assert x.shape == (1, k) and x.stride(-1) == 1 and weight.stride(-1) == 1, (x.shape, k)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    block_n, block_k, warps = _config(n, k)
+    block_n, block_k, warps = TILES.get((n, k)) or _config(n, k)
     even = k % block_k == 0 and n % block_n == 0
     dependent = pdl.launch(x.device)
     _gemv[(triton.cdiv(n, block_n),)](
