@@ -121,12 +121,6 @@ def main() -> None:
                         help="FA3 over FP8 pages casts its queries (not the RoPE kernel)")
     parser.add_argument("--unfused-fa-schedule", action="store_true",
                         help="FA3's decode graphs schedule every layer (not once a step)")
-    parser.add_argument("--no-split-kernel", action="store_true",
-                        help="FA3's split and combine kernels in decode graphs of few rows "
-                             "(not pdserve's one-launch split kernel)")
-    parser.add_argument("--no-pdl", action="store_true",
-                        help="each Triton kernel starts after the previous one ends (no "
-                             "programmatic dependent launch)")
     parser.add_argument("--tensor-core-min-batch", type=int, default=-1, metavar="N",
                         help="decode attention on tensor cores from batch N whatever the head "
                              "grouping (fi.TENSOR_CORE_MIN_BATCH; default the backend's rule)")
@@ -148,10 +142,6 @@ def main() -> None:
             moe_kernel.DIRECT_MAX_ASSIGNMENTS = args.moe_direct_max
     fa.FP8_QUERIES_FROM_ROPE = not args.unfused_fp8_queries
     fa.SCHEDULE_ONCE = not args.unfused_fa_schedule
-    fa.SPLIT_KERNEL = not args.no_split_kernel
-    if args.no_pdl:
-        from pdserve.models import pdl
-        pdl.ENABLED = False
     if args.tensor_core_min_batch >= 0:
         from pdserve.attention import fi
         fi.TENSOR_CORE_MIN_GROUP = 1 << 30

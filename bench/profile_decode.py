@@ -92,18 +92,8 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto",
                         choices=("auto", "bfloat16", "fp8_e4m3"))
     parser.add_argument("--attention-backend", default="auto", help="auto, fa or fi")
-    parser.add_argument("--no-pdl", action="store_true",
-                        help="launch each Triton kernel after the previous one ends (kernel "
-                             "times then exclude waiting for the previous one)")
-    parser.add_argument("--no-split-kernel", action="store_true",
-                        help="FA3's split and combine kernels for few-row decode graphs")
     parser.add_argument("--out", default="bench/results/profile_decode.json")
     args = parser.parse_args()
-    from pdserve.attention import fa
-    fa.SPLIT_KERNEL = not args.no_split_kernel
-    if args.no_pdl:
-        from pdserve.models import pdl
-        pdl.ENABLED = False
     pages_per_seq = -(-(args.context + 1) // args.page_size)
     runner = ModelRunner(EngineConfig(model=args.model, page_size=args.page_size,
                                       num_pages=pages_per_seq * args.batch + 64,

@@ -210,35 +210,3 @@ def test_unsorted_experts_compute_what_the_sorted_ones_do(tokens, top_k, fp8_col
         moe_kernel.DIRECT_MAX_ASSIGNMENTS = limit
     for want in wants:
         assert ((direct.float() - want.float()).abs().max() / want.float().abs().max()) < 2e-2
-
-
-@pytest.mark.parametrize("model", ["small", "small-moe"])
-@pytest.mark.parametrize("rows", [1, 3])
-def test_dependent_launches_compute_what_serial_ones_do(model, rows):
-    """Decode graphs whose Triton kernels start while the previous kernel drains (pdl.py: the
-    GEMVs, RoPE + K/V store, routing, the few-token expert kernels) give the same logits and
-    K/V, bit for bit, as graphs that launch each kernel after the last."""
-    from pdserve.models import pdl
-
-    register_small_moe()
-    results = []
-    for enabled in (False, True):
-        pdl.ENABLED = enabled
-        try:
-            runner = ModelRunner(EngineConfig(model=model, page_size=16, num_pages=128,
-                                              cuda_graph_max_bs=4), "decode")
-        finally:
-            pdl.ENABLED = True
-        rng = random.Random(7)
-        seqs = []
-        for length in (5, 40, 130)[:rows]:
-            pages = runner.pool.allocator.alloc(runner.pool.pages_for(length + 1))
-            runner.forward([SeqInput([rng.randrange(256) for _ in range(length)], 0, pages)])
-            seqs.append(SeqInput([rng.randrange(256)], length, pages))
-        assert runner.graph_mode(seqs, None, eager=False)
-        results.append((runner.forward(seqs).clone(), runner.pool.tensor.clone()))
-        del runner
-    assert pdl.launch(CUDA) == (torch.cuda.get_device_capability()[0] >= 9)
-    (serial_logits, serial_kv), (dependent_logits, dependent_kv) = results
-    assert torch.equal(serial_logits, dependent_logits)
-    assert torch.equal(serial_kv, dependent_kv)

@@ -8,8 +8,7 @@ per cache, or stored by the fused RoPE kernel). Decode steps in CUDA graphs read
 table as wide as the longest sequence and fixed lengths, copied in before each replay; the
 kernel splits each row's keys by its length on the device, from a schedule the first layer
 computes for every layer of the step (FA3 otherwise recomputes it in a kernel of its own in
-each layer). Graphs of few rows over a 16-bit pool (rows x KV heads at most half the SMs) run
-decode_kernel.py's split kernel instead, one launch a layer where FA3 takes two.
+each layer).
 
 Over an FP8 pool FA3 computes in FP8 throughout: it takes no 16-bit queries with FP8 keys, so the
 queries come in e4m3 (written so by the fused RoPE kernel, else cast here, saturating), the
@@ -33,9 +32,6 @@ FP8_QUERIES_FROM_ROPE = True
 # (bench/decode.py --unfused-fa-schedule measures it per layer).
 SCHEDULE_ONCE = True
 MAX_SPLITS = 32
-# Decode graphs of few rows over a 16-bit pool run decode_kernel's one-launch split kernel
-# instead of FA3's split and combine kernels (bench/decode.py --no-split-kernel keeps FA3).
-SPLIT_KERNEL = True
 
 
 class FlashAttentionBackend(AttentionBackend):
@@ -61,7 +57,6 @@ class FlashAttentionBackend(AttentionBackend):
         # Decode graphs' page table [max batch, pages of the longest sequence] and lengths.
         self._graph_table: torch.Tensor | None = None
         self._graph_lens: torch.Tensor | None = None
-        self._split_kernel = None   # decode_kernel.SplitDecode, made with the graphs
 
     def prepare_metadata(self, batch: ForwardBatch) -> None:
         batch.attn_metadata = None  # the kernel reads the batch's own tensors
@@ -79,10 +74,6 @@ class FlashAttentionBackend(AttentionBackend):
         if graph is not None:   # one query a row: [rows, 1, heads, dim], no varlen metadata
             table, lens = graph
             splits = self._shared_splits(rows)
-            if splits and self._split_kernel is not None:
-                return self._split_kernel(q, self.pool.k_cache(layer_id),
-                                          self.pool.v_cache(layer_id), table, lens, self.scale,
-                                          splits)
             if splits:
                 if layer_id == 0:   # captured with the step: recomputed on every replay
                     self._schedule = self._get_schedule(
@@ -104,12 +95,11 @@ class FlashAttentionBackend(AttentionBackend):
 
     def _shared_splits(self, rows: int) -> int:
         """The most key splits a decode graph of ``rows`` rows may use when its layers share
-        one schedule or run the split kernel, or 0 to let each layer schedule itself. Only
-        where the rows leave half the SMs idle: a split FA3 step ends in its combine kernel,
-        which zeroes the tile counter the next layer's kernel counts from (the per-layer
-        schedule zeroes it otherwise)."""
-        shared = SCHEDULE_ONCE and self._get_schedule is not None
-        if not (shared or self._split_kernel):
+        one schedule, or 0 to let each layer schedule itself. Shared only where the rows leave
+        half the SMs idle: a split step ends in FA3's combine kernel, which zeroes the tile
+        counter the next layer's kernel counts from (the per-layer schedule zeroes it
+        otherwise)."""
+        if not SCHEDULE_ONCE or self._get_schedule is None:
             return 0
         tiles = rows * self.pool.layout.num_kv_heads
         return min(MAX_SPLITS, self._sms // tiles) if 2 * tiles <= self._sms else 0
@@ -121,12 +111,6 @@ class FlashAttentionBackend(AttentionBackend):
         self._graph_table = torch.full((max(bs_list), width), NULL_PAGE, dtype=torch.int32,
                                        device=device)
         self._graph_lens = torch.zeros(max(bs_list), dtype=torch.int32, device=device)
-        if SPLIT_KERNEL and not self.pool.quantized:
-            from pdserve.attention.decode_kernel import SplitDecode
-
-            layout = self.pool.layout
-            self._split_kernel = SplitDecode(self.num_heads, layout.num_kv_heads, self.head_dim,
-                                             max(bs_list), self._sms, device)
 
     def prepare_for_capture(self, batch: ForwardBatch) -> None:
         self.prepare_for_replay(batch)

@@ -12,38 +12,23 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.models import pdl
-
-
-@triton.jit
-def _weights(w_rows, rows, start, N, K, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
-    cols = start + tl.arange(0, BLOCK_K)
-    if EVEN:
-        return tl.load(w_rows + cols[None, :])
-    return tl.load(w_rows + cols[None, :], mask=(rows[:, None] < N) & (cols[None, :] < K),
-                   other=0.0)
-
-
-@triton.jit
-def _values(x, start, K, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
-    cols = start + tl.arange(0, BLOCK_K)
-    if EVEN:
-        return tl.load(x + cols).to(tl.float32)
-    return tl.load(x + cols, mask=cols < K, other=0.0).to(tl.float32)
-
 
 @triton.jit
 def _gemv(x, w, bias, y, N, K, w_stride, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
+          BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = w + rows[:, None].to(tl.int64) * w_stride
-    # The first slice of weights is in flight before the wait for x (pdl.py).
-    weights = _weights(w_rows, rows, 0, N, K, BLOCK_K, EVEN)
-    pdl.wait(PDL)
-    acc = weights.to(tl.float32) * _values(x, 0, K, BLOCK_K, EVEN)[None, :]
-    for start in range(BLOCK_K, K, BLOCK_K):
-        weights = _weights(w_rows, rows, start, N, K, BLOCK_K, EVEN)
-        acc += weights.to(tl.float32) * _values(x, start, K, BLOCK_K, EVEN)[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for start in range(0, K, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        if EVEN:
+            weights = tl.load(w_rows + cols[None, :])
+            values = tl.load(x + cols)
+        else:
+            mask = (rows[:, None] < N) & (cols[None, :] < K)
+            weights = tl.load(w_rows + cols[None, :], mask=mask, other=0.0)
+            values = tl.load(x + cols, mask=cols < K, other=0.0)
+        acc += weights.to(tl.float32) * values.to(tl.float32)[None, :]
     out = tl.sum(acc, axis=1)
     if HAS_BIAS:
         out += tl.load(bias + rows, mask=rows < N, other=0.0).to(tl.float32)
@@ -68,9 +53,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     block_n, block_k, warps = TILES.get((n, k)) or _config(n, k)
     even = k % block_k == 0 and n % block_n == 0
-    dependent = pdl.launch(x.device)
     _gemv[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, EVEN=even,
-        PDL=dependent, num_warps=warps, launch_pdl=dependent)
+        num_warps=warps)
     return y

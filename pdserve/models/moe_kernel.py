@@ -13,7 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.models import pdl
 from pdserve.models.moe_align import SortedAssignments
 
 
@@ -163,11 +162,9 @@ def _place_chunk(chosen, offsets, sorted_ids, count, EXPERTS_P: tl.constexpr,
 
 @triton.jit
 def _route(logits, weights, chosen, stride, EXPERTS: tl.constexpr, EXPERTS_P: tl.constexpr,
-           TOP_K: tl.constexpr, TOP_K_P: tl.constexpr, RENORMALIZE: tl.constexpr,
-           PDL: tl.constexpr):
+           TOP_K: tl.constexpr, TOP_K_P: tl.constexpr, RENORMALIZE: tl.constexpr):
     """One token: softmax over its router logits (float32), its top-k (the lowest index among
     equals first), renormalised if asked."""
-    pdl.wait(PDL)
     token = tl.program_id(0)
     experts = tl.arange(0, EXPERTS_P)
     x = tl.load(logits + token * stride + experts, mask=experts < EXPERTS,
@@ -199,11 +196,9 @@ def route_top_k(logits: torch.Tensor, top_k: int, renormalize: bool,
     weights = torch.empty(tokens, top_k, dtype=dtype, device=logits.device)
     chosen = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
     if tokens:
-        dependent = pdl.launch(logits.device)
         _route[(tokens,)](logits, weights, chosen, logits.stride(0), EXPERTS=experts,
                           EXPERTS_P=triton.next_power_of_2(experts), TOP_K=top_k,
-                          TOP_K_P=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
-                          PDL=dependent, launch_pdl=dependent)
+                          TOP_K_P=triton.next_power_of_2(top_k), RENORMALIZE=renormalize)
     return weights, chosen
 
 
@@ -306,9 +301,7 @@ def _row_products(x_row, w_rows, K, w_scales, scale_cols, W_SCALES: tl.constexpr
 @triton.jit
 def _direct_gate_up(x, w, h, chosen, w_scale, inter, K, top_k, stride_xm, stride_we,
                     stride_wn, stride_hm, stride_se, stride_sn, scale_cols,
-                    W_SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PDL: tl.constexpr):
-    pdl.wait(PDL)   # the chosen experts, then their weights
+                    W_SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     assignment = tl.program_id(0)
     expert = tl.load(chosen + assignment).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -332,8 +325,7 @@ def _direct_gate_up(x, w, h, chosen, w_scale, inter, K, top_k, stride_xm, stride
 def _direct_down_sum(h, w, out, chosen, weights, hidden, inter, stride_hm, stride_we,
                      stride_wn, stride_om, w_scale, stride_se, stride_sn, scale_cols,
                      TOP_K: tl.constexpr, W_SCALES: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    pdl.wait(PDL)
+                     BLOCK_K: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(rows, hidden - 1)
@@ -395,14 +387,12 @@ def direct_experts(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Ten
     x = x.contiguous()
     chosen = chosen.reshape(-1).contiguous()
     h = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
-    dependent = pdl.launch(x.device)
     gate_scale = experts.gate_up_proj_scale if gate_mode else gate_up
     _direct_gate_up[(tokens * top_k, triton.cdiv(inter, gate_n))](
         x, gate_up, h, chosen, gate_scale, inter, hidden, top_k, x.stride(0), gate_up.stride(0),
         gate_up.stride(1), h.stride(0), gate_scale.stride(0) if gate_mode else 0,
         gate_scale.stride(1) if gate_mode else 0, experts.scale_cols.get("gate_up_proj", 1),
-        W_SCALES=gate_mode, BLOCK_N=gate_n, BLOCK_K=gate_k, PDL=dependent, num_warps=gate_warps,
-        launch_pdl=dependent)
+        W_SCALES=gate_mode, BLOCK_N=gate_n, BLOCK_K=gate_k, num_warps=gate_warps)
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     down_scale = experts.down_proj_scale if down_mode else down
     _direct_down_sum[(tokens, triton.cdiv(hidden, down_n))](
@@ -410,8 +400,7 @@ def direct_experts(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Ten
         down.stride(0), down.stride(1), out.stride(0), down_scale,
         down_scale.stride(0) if down_mode else 0, down_scale.stride(1) if down_mode else 0,
         experts.scale_cols.get("down_proj", 1), TOP_K=top_k, W_SCALES=down_mode,
-        BLOCK_N=down_n, BLOCK_K=down_k, PDL=dependent, num_warps=down_warps,
-        launch_pdl=dependent)
+        BLOCK_N=down_n, BLOCK_K=down_k, num_warps=down_warps)
     return out
 
 
