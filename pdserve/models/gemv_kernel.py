@@ -41,13 +41,9 @@ TILES: dict[tuple[int, int], tuple[int, int, int]] = {}
 
 
 def _config(n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps), from sweeps with weights not in L2 (bench/gemv_tiles.py):
-    rows of more than 1,024 columns four to a program, 2,048 columns a step, eight warps (on an
-    H200 10-22% faster than one row a program with four warps at qwen3-30b-a3b's and llama3-8b's
-    attention shapes); shorter rows two to a program, whole."""
-    if k > 1024:
-        return 4, 2048, 8
-    return 2, triton.next_power_of_2(k), 4
+    """(BLOCK_N, BLOCK_K, num_warps), from a sweep with weights not in L2: whole 2048-wide
+    slices of one row per step; two rows per program for short rows."""
+    return (2 if k <= 1024 else 1), min(2048, triton.next_power_of_2(k)), 4
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
