@@ -246,24 +246,35 @@ def sort_chunked(chosen: torch.Tensor, num_experts: int, block_m: int) -> Sorted
     return SortedAssignments(sorted_ids, block_expert, count, block_m)
 
 
+# Prompt steps' tiling of the grouped GEMM, in place of the defaults: rows per block, and per
+# weight name (BLOCK_N, BLOCK_K, warps, stages) (bench/moe_gemm.py sweeps them).
+PROMPT_BLOCK_M = 64
+PROMPT_TILES: dict[str, tuple[int, int, int, int]] = {}
+
+
 def block_m_for(tokens: int) -> int:
     """Rows per block: small for decode batches (less padding per expert), larger for prompts."""
-    return 16 if tokens <= 64 else 64
+    return 16 if tokens <= 64 else PROMPT_BLOCK_M
 
 
 def grouped_gemm(a: torch.Tensor, weights: torch.Tensor, groups: SortedAssignments,
                  rows_per_a: int, scale: torch.Tensor | None = None,
-                 w_scale: torch.Tensor | None = None, scale_cols: int = 0) -> torch.Tensor:
+                 w_scale: torch.Tensor | None = None, scale_cols: int = 0,
+                 tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """For each assignment ``i``: row ``i // rows_per_a`` of ``a`` [rows, K] times its expert's
     ``weights`` [experts, N, K] transposed, times ``scale[i]`` if given; [assignments, N]. FP8
-    ``weights`` come with ``w_scale`` [experts, N, column blocks] of ``scale_cols`` columns."""
+    ``weights`` come with ``w_scale`` [experts, N, column blocks] of ``scale_cols`` columns.
+    ``tile``: (BLOCK_N, BLOCK_K, warps, stages) in place of the defaults."""
     assert a.stride(-1) == 1 and weights.stride(-1) == 1
     n, k = weights.shape[1], weights.shape[2]
     out = torch.empty(groups.assignments, n, dtype=a.dtype, device=a.device)
-    block_n = 64 if n <= 1024 else 128
+    block_n, block_k = 64 if n <= 1024 else 128, 64
+    launch = {}
+    if tile is not None:
+        block_n, block_k = tile[0], tile[1]
+        launch = {"num_warps": tile[2], "num_stages": tile[3]}
     grid = (groups.block_expert.numel(), triton.cdiv(n, block_n))
     fp8_w = w_scale is not None
-    block_k = 64
     scale_cols = scale_cols or k
     w_scales = (0 if not fp8_w else 1 if scale_cols >= k
                 else 2 if scale_cols % block_k == 0 else 3)
@@ -273,7 +284,7 @@ def grouped_gemm(a: torch.Tensor, weights: torch.Tensor, groups: SortedAssignmen
                         weights.stride(1), out.stride(0), w_scale.stride(0) if fp8_w else 0,
                         w_scale.stride(1) if fp8_w else 0, scale_cols,
                         HAS_SCALE=scale is not None, W_SCALES=w_scales, BLOCK_M=groups.block_m,
-                        BLOCK_N=block_n, BLOCK_K=block_k)
+                        BLOCK_N=block_n, BLOCK_K=block_k, **launch)
     return out
 
 
@@ -418,10 +429,11 @@ def fused_experts(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Tens
 
     def gemm(a: torch.Tensor, name: str, rows_per_a: int,
              scale: torch.Tensor | None = None) -> torch.Tensor:
+        tile = PROMPT_TILES.get(name) if tokens > 64 else None
         if not experts.quantized:
-            return grouped_gemm(a, getattr(experts, name), groups, rows_per_a, scale)
+            return grouped_gemm(a, getattr(experts, name), groups, rows_per_a, scale, tile=tile)
         return grouped_gemm(a, getattr(experts, name), groups, rows_per_a, scale,
-                            getattr(experts, name + "_scale"), experts.scale_cols[name])
+                            getattr(experts, name + "_scale"), experts.scale_cols[name], tile)
 
     h = silu_and_mul(gemm(x.contiguous(), "gate_up_proj", top_k))
     h = gemm(h, "down_proj", 1, weights.reshape(-1).contiguous())
