@@ -74,10 +74,10 @@ def main() -> None:
                           f"{flop / ms / 1e9:6.1f} TFLOP/s{'' if same else '  MISMATCH'}")
     best = {}
     for name in ("gate_up_proj", "down_proj"):
-        default = totals.get((name, 64, "None"))
+        default = totals.get((name, 64, "None"), float("nan"))
         key = min((k for k in totals if k[0] == name), key=lambda k: totals[k])
         best[name] = {"block_m": key[1], "tile": key[2], "ms_total": round(totals[key], 4),
-                      "default_ms_total": default and round(default, 4)}
+                      "default_ms_total": round(default, 4)}
         print(f"best {name}: block_m {key[1]} tile {key[2]}: {totals[key]:.3f} ms over the token "
               f"counts (default {default:.3f})")
     write_results(args.out, "moe_gemm", {"rows": rows, "best": best})
