@@ -47,6 +47,25 @@ def graph_time_ms(fn: Callable[[], Any], calls: int = 20) -> float:
     return cuda_time_ms(graph.replay, iters=10) / calls
 
 
+def graph_calls_us(calls: list[Callable[[], Any]], warm: int = 2) -> tuple[float, list[Any]]:
+    """GPU microseconds a call of ``calls``, captured back to back in one CUDA graph (so that
+    each reads other data: weights from memory, not L2), and what the calls returned, as the
+    replays left it. The first ``warm`` run once on a side stream: Triton compiles outside the
+    capture."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls[:warm]:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        outs = [call() for call in calls]
+    return cuda_time_ms(graph.replay, iters=10) * 1e3 / len(calls), outs
+
+
 def copy_bandwidth_bytes_per_s(size_bytes: int = 4 << 30) -> float:
     """Device-to-device copy, counting bytes read and written."""
     import torch

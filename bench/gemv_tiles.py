@@ -15,9 +15,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import copy_bandwidth_bytes_per_s, cuda_time_ms, write_results  # noqa: E402
+from common import copy_bandwidth_bytes_per_s, graph_calls_us, write_results  # noqa: E402
 
-from pdserve.models import gemv_kernel  # noqa: E402
 
 # (BLOCK_N, BLOCK_K, warps) tried; the shape's default comes first.
 TILES = [(1, 2048, 4), (2, 2048, 4), (1, 4096, 4), (1, 4096, 8), (2, 4096, 8), (1, 1024, 4),
@@ -26,15 +25,10 @@ COPIES_BYTES = 512 << 20   # weights cycled through per graph
 
 
 def time_us(weights: list[torch.Tensor], x: torch.Tensor) -> tuple[float, torch.Tensor]:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        gemv_kernel.gemv(x, weights[0])   # Triton's compile, outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        outs = [gemv_kernel.gemv(x, w) for w in weights]
-    return cuda_time_ms(graph.replay, iters=10) * 1e3 / len(weights), outs[0].clone()
+    """Microseconds a GEMV over ``weights`` in turn, and the first one's output."""
+    from pdserve.models import gemv_kernel
+    us, outs = graph_calls_us([lambda w=w: gemv_kernel.gemv(x, w) for w in weights], warm=1)
+    return us, outs[0].clone()
 
 
 def main() -> None:
@@ -42,6 +36,9 @@ def main() -> None:
     parser.add_argument("--shapes", default="5120x2048,2048x4096,128x2048")
     parser.add_argument("--out", default="bench/results/gemv_tiles.json")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/gemv_tiles.py: needs a CUDA device")
+    from pdserve.models import gemv_kernel   # Triton: the GPU extra
     torch.manual_seed(0)
     bandwidth = copy_bandwidth_bytes_per_s()
     rows = []

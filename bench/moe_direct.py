@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import cuda_time_ms, write_results  # noqa: E402
+from common import graph_calls_us, write_results  # noqa: E402
 from moe_sort import EXPERTS, HIDDEN, TOP_K  # noqa: E402
 from moe_sort import Experts as SortedExperts  # noqa: E402
 
@@ -42,16 +42,9 @@ def time_us(experts: Experts, x: torch.Tensor, weights: torch.Tensor,
             chosen: list[torch.Tensor]) -> tuple[float, list[torch.Tensor]]:
     """Microseconds a call of direct_experts over ``chosen`` routings in one CUDA graph, and
     its outputs."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for c in chosen[:2]:   # Triton's compile, outside the capture
-            moe_kernel.direct_experts(x, experts, weights, c)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        outs = [moe_kernel.direct_experts(x, experts, weights, c) for c in chosen]
-    return cuda_time_ms(graph.replay, iters=10) * 1e3 / len(chosen), [o.clone() for o in outs]
+    us, outs = graph_calls_us([lambda c=c: moe_kernel.direct_experts(x, experts, weights, c)
+                               for c in chosen])
+    return us, [o.clone() for o in outs]
 
 
 def main() -> None:
