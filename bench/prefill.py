@@ -2,9 +2,11 @@
 
     python bench/prefill.py --model llama3-8b --shapes 1x8192,8x1024,32x256
 
-FLOPs per step: 2 x (non-embedding parameters + LM head) per token for the matmuls, plus causal
-attention (2 x 2 x layers x heads x head_dim x len^2 / 2 per sequence); MFU is against a plain
-bf16 matmul's rate on the same GPU.
+FLOPs per step: 2 x (non-embedding parameters + LM head) per token for the matmuls (of a
+mixture of experts, the experts a token is routed to: top-k of them), plus causal attention
+(2 x 2 x layers x heads x head_dim x len^2 / 2 per sequence); MFU is against a plain bf16
+matmul's rate on the same GPU. ``--moe-prompt-tiles`` and ``--moe-prompt-block-m`` time the
+prompt steps' grouped GEMM with another tiling (``bench/moe_gemm.py`` sweeps them).
 """
 from __future__ import annotations
 
@@ -31,8 +33,21 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--moe-prompt-tiles", default="", metavar="NAME=N,K,W,S ...",
+                        help="mixtures of experts: the grouped GEMM's tiling per weight "
+                             "(moe_kernel.PROMPT_TILES), e.g. 'gate_up_proj=128,64,8,3'")
+    parser.add_argument("--moe-prompt-block-m", type=int, default=0, metavar="M",
+                        help="rows per block of the prompt steps' grouped GEMM "
+                             "(moe_kernel.PROMPT_BLOCK_M; default its own)")
     parser.add_argument("--out", default="bench/results/prefill.json")
     args = parser.parse_args()
+    if args.moe_prompt_tiles or args.moe_prompt_block_m:
+        from pdserve.models import moe_kernel   # Triton: GPU machines only
+        for item in args.moe_prompt_tiles.split():
+            name, tile = item.split("=")
+            moe_kernel.PROMPT_TILES[name] = tuple(int(v) for v in tile.split(","))
+        if args.moe_prompt_block_m:
+            moe_kernel.PROMPT_BLOCK_M = args.moe_prompt_block_m
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     max_tokens = max(b * n for b, n in shapes)
     runner = ModelRunner(EngineConfig(model=args.model, page_size=args.page_size,
@@ -41,6 +56,10 @@ def main() -> None:
     cfg = runner.model_config
     matmul_params = sum(p.numel() for n, p in runner.model.named_parameters()
                         if n != "embed_tokens.weight") + cfg.vocab_size * cfg.hidden_size
+    if cfg.num_experts:   # a token computes top-k of the experts
+        expert_params = sum(p.numel() for n, p in runner.model.named_parameters()
+                            if ".experts." in n and not n.endswith("_scale"))
+        matmul_params -= expert_params * (1 - cfg.num_experts_per_tok / cfg.num_experts)
     peak = matmul_flops_per_s()
     rows = []
     for batch, length in shapes:
@@ -60,7 +79,9 @@ def main() -> None:
             runner.pool.allocator.free(p)
     write_results(args.out, "prefill", {
         "model": args.model, "attention_backend": runner.backend_name,
-        "layer_kernels": runner.model.ops.name, "matmul_peak_flops_per_s": peak, "results": rows})
+        "layer_kernels": runner.model.ops.name, "matmul_peak_flops_per_s": peak,
+        "moe_prompt_tiles": args.moe_prompt_tiles, "moe_prompt_block_m": args.moe_prompt_block_m,
+        "results": rows})
 
 
 if __name__ == "__main__":
