@@ -39,6 +39,8 @@ def main() -> None:
     parser.add_argument("--moe-prompt-block-m", type=int, default=0, metavar="M",
                         help="rows per block of the prompt steps' grouped GEMM "
                              "(moe_kernel.PROMPT_BLOCK_M; default its own)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also each shape's GPU kernels by total time (torch profiler)")
     parser.add_argument("--out", default="bench/results/prefill.json")
     args = parser.parse_args()
     if args.moe_prompt_tiles or args.moe_prompt_block_m:
@@ -75,6 +77,13 @@ def main() -> None:
                "mfu": round(flops / (ms / 1e3) / peak, 4)}
         rows.append(row)
         print(f"{row['shape']:>8}: {ms:9.2f} ms  {row['tokens_per_s']:10.1f} tok/s  MFU {row['mfu']:.2f}")
+        if args.profile:
+            from profile_decode import kernel_table
+            table, total_us = kernel_table(lambda: runner.forward(seqs), repeats=2)
+            row["kernels"] = table[:20]
+            for k in table[:12]:
+                print(f"    {k['us_per_step'] / 1e3:8.2f} ms {k['calls_per_step']:5d}x "
+                      f"{100 * k['us_per_step'] / total_us:5.1f}%  {k['kernel'][:80]}")
         for p in pages:
             runner.pool.allocator.free(p)
     write_results(args.out, "prefill", {

@@ -19,16 +19,29 @@ from pdserve.models.moe_align import SortedAssignments
 @triton.jit
 def _grouped_gemm(a, w, c, scale, w_scale, sorted_ids, block_expert, assignments, N, K,
                   rows_per_a, stride_am, stride_we, stride_wn, stride_cm, stride_se, stride_sn,
-                  scale_cols, HAS_SCALE: tl.constexpr, W_SCALES: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    block = tl.program_id(0)
+                  scale_cols, row_blocks, HAS_SCALE: tl.constexpr, W_SCALES: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  GROUP_M: tl.constexpr):
+    # Program order: GROUP_M 0 walks every row block for one column block, then the next
+    # column block; GROUP_M g > 0 every column block of g row blocks, then the next g (rows
+    # and an expert's weights each read while they are still in L2).
+    pid = tl.program_id(0)
+    if GROUP_M == 0:
+        block = pid % row_blocks
+        col_block = pid // row_blocks
+    else:
+        col_blocks = tl.cdiv(N, BLOCK_N)
+        first = pid // (GROUP_M * col_blocks) * GROUP_M
+        rows_here = tl.minimum(row_blocks - first, GROUP_M)
+        block = first + (pid % (GROUP_M * col_blocks)) % rows_here
+        col_block = (pid % (GROUP_M * col_blocks)) // rows_here
     expert = tl.load(block_expert + block)
     if expert < 0:
         return
     ids = tl.load(sorted_ids + block * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = ids < assignments
     a_rows = a + (ids // rows_per_a)[:, None].to(tl.int64) * stride_am
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
     w_cols = w + expert.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     # FP8 weights' scales (a row's, per scale_cols columns): W_SCALES 1 one per row, applied
@@ -247,9 +260,9 @@ def sort_chunked(chosen: torch.Tensor, num_experts: int, block_m: int) -> Sorted
 
 
 # Prompt steps' tiling of the grouped GEMM, in place of the defaults: rows per block, and per
-# weight name (BLOCK_N, BLOCK_K, warps, stages) (bench/moe_gemm.py sweeps them).
+# weight name (BLOCK_N, BLOCK_K, warps, stages[, GROUP_M]) (bench/moe_gemm.py sweeps them).
 PROMPT_BLOCK_M = 64
-PROMPT_TILES: dict[str, tuple[int, int, int, int]] = {}
+PROMPT_TILES: dict[str, tuple[int, ...]] = {}
 
 
 def block_m_for(tokens: int) -> int:
@@ -260,20 +273,23 @@ def block_m_for(tokens: int) -> int:
 def grouped_gemm(a: torch.Tensor, weights: torch.Tensor, groups: SortedAssignments,
                  rows_per_a: int, scale: torch.Tensor | None = None,
                  w_scale: torch.Tensor | None = None, scale_cols: int = 0,
-                 tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                 tile: tuple[int, ...] | None = None) -> torch.Tensor:
     """For each assignment ``i``: row ``i // rows_per_a`` of ``a`` [rows, K] times its expert's
     ``weights`` [experts, N, K] transposed, times ``scale[i]`` if given; [assignments, N]. FP8
     ``weights`` come with ``w_scale`` [experts, N, column blocks] of ``scale_cols`` columns.
-    ``tile``: (BLOCK_N, BLOCK_K, warps, stages) in place of the defaults."""
+    ``tile``: (BLOCK_N, BLOCK_K, warps, stages[, GROUP_M: the program order, see
+    _grouped_gemm]) in place of the defaults."""
     assert a.stride(-1) == 1 and weights.stride(-1) == 1
     n, k = weights.shape[1], weights.shape[2]
     out = torch.empty(groups.assignments, n, dtype=a.dtype, device=a.device)
     block_n, block_k = 64 if n <= 1024 else 128, 64
-    launch = {}
+    launch, group_m = {}, 0
     if tile is not None:
         block_n, block_k = tile[0], tile[1]
         launch = {"num_warps": tile[2], "num_stages": tile[3]}
-    grid = (groups.block_expert.numel(), triton.cdiv(n, block_n))
+        group_m = tile[4] if len(tile) > 4 else 0
+    row_blocks = groups.block_expert.numel()
+    grid = (row_blocks * triton.cdiv(n, block_n),)
     fp8_w = w_scale is not None
     scale_cols = scale_cols or k
     w_scales = (0 if not fp8_w else 1 if scale_cols >= k
@@ -282,9 +298,9 @@ def grouped_gemm(a: torch.Tensor, weights: torch.Tensor, groups: SortedAssignmen
                         w_scale if fp8_w else a, groups.sorted_ids, groups.block_expert,
                         groups.assignments, n, k, rows_per_a, a.stride(0), weights.stride(0),
                         weights.stride(1), out.stride(0), w_scale.stride(0) if fp8_w else 0,
-                        w_scale.stride(1) if fp8_w else 0, scale_cols,
+                        w_scale.stride(1) if fp8_w else 0, scale_cols, row_blocks,
                         HAS_SCALE=scale is not None, W_SCALES=w_scales, BLOCK_M=groups.block_m,
-                        BLOCK_N=block_n, BLOCK_K=block_k, **launch)
+                        BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, **launch)
     return out
 
 
