@@ -35,7 +35,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--moe-prompt-tiles", default="", metavar="NAME=N,K,W,S ...",
                         help="mixtures of experts: the grouped GEMM's tiling per weight "
-                             "(moe_kernel.PROMPT_TILES), e.g. 'gate_up_proj=128,64,8,3'")
+                             "(moe_kernel.PROMPT_TILES), e.g. 'gate_up_proj=128,64,8,3', "
+                             "or 'none': the kernel's own")
     parser.add_argument("--moe-prompt-block-m", type=int, default=0, metavar="M",
                         help="rows per block of the prompt steps' grouped GEMM "
                              "(moe_kernel.PROMPT_BLOCK_M; default its own)")
@@ -45,7 +46,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.moe_prompt_tiles or args.moe_prompt_block_m:
         from pdserve.models import moe_kernel   # Triton: GPU machines only
-        for item in args.moe_prompt_tiles.split():
+        if args.moe_prompt_tiles == "none":   # the kernel's own tiling
+            moe_kernel.PROMPT_TILES.clear()
+        for item in args.moe_prompt_tiles.split() if args.moe_prompt_tiles != "none" else []:
             name, tile = item.split("=")
             moe_kernel.PROMPT_TILES[name] = tuple(int(v) for v in tile.split(","))
         if args.moe_prompt_block_m:

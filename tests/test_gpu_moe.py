@@ -31,14 +31,15 @@ def test_grouped_gemm_kernel_matches_its_torch_statement(tokens, experts, top_k)
     w = (torch.randn(experts, 2 * inter, hidden, device=CUDA, generator=generator) / 40).bfloat16()
     chosen = _chosen(tokens, experts, top_k, seed=2).to(CUDA)
     scale = torch.rand(tokens * top_k, device=CUDA, generator=generator)
-    groups = sort_by_expert(chosen, experts, block_m_for(tokens))
-    for rows_per_a, s in ((top_k, None), (1, scale)):
-        a = x if rows_per_a == top_k else x.repeat_interleave(top_k, 0)
-        want = grouped_gemm_reference(a, w, groups, rows_per_a, s).float()
-        # The default tiling and prompt tilings in either program order.
-        for tile in (None, (128, 64, 4, 3), (128, 64, 8, 3, 1), (64, 128, 4, 2, 8)):
-            got = grouped_gemm(a, w, groups, rows_per_a, s, tile=tile).float()
-            assert ((got - want).abs().max() / want.abs().max()) < 1e-2, tile
+    for block_m in (block_m_for(tokens), 128):
+        groups = sort_by_expert(chosen, experts, block_m)
+        for rows_per_a, s in ((top_k, None), (1, scale)):
+            a = x if rows_per_a == top_k else x.repeat_interleave(top_k, 0)
+            want = grouped_gemm_reference(a, w, groups, rows_per_a, s).float()
+            # The default tiling and prompt tilings in either program order.
+            for tile in (None, (256, 64, 8, 4), (128, 64, 8, 3, 1), (256, 64, 8, 4, 8)):
+                got = grouped_gemm(a, w, groups, rows_per_a, s, tile=tile).float()
+                assert ((got - want).abs().max() / want.abs().max()) < 1e-2, (block_m, tile)
 
 
 def _moe_runner() -> ModelRunner:
@@ -51,7 +52,7 @@ def test_fused_experts_match_the_reference_loop_and_run_in_graphs():
     runner = _moe_runner()
     assert runner.model.ops.has_fused_experts and runner.graphs is not None
     rng = random.Random(4)
-    for length in (3, 40, 130):
+    for length in (3, 40, 130, 600):   # 600: 150 rows an expert, the prompt tiling
         _assert_fused_matches_reference(runner, [rng.randrange(256) for _ in range(length)])
     # A whole step: graph and eager attention round differently, and a rounding can move a
     # token to another expert (routing is a discontinuity), so only the experts are compared
@@ -108,6 +109,7 @@ def test_fp8_experts_in_the_kernel_match_their_dequantized_reference():
                                       num_pages=256, cuda_graph_max_bs=8), "decode")
     assert runner.model.layers[0].mlp.experts.quantized
     _assert_fused_matches_reference(runner, list(range(5, 90)))
+    _assert_fused_matches_reference(runner, [5 + i % 200 for i in range(600)])   # prompt tiles
 
 
 @pytest.mark.parametrize("tokens, experts, top_k", [(1, 8, 2), (3, 128, 8), (64, 128, 8),
@@ -119,12 +121,13 @@ def test_sorts_match_their_torch_statement(tokens, experts, top_k):
     from pdserve.models.moe_kernel import SMALL_SORT_MAX, block_m_for, sort_chunked, sort_small
 
     chosen = _chosen(tokens, experts, top_k, seed=tokens).to(CUDA)
-    want = sort_by_expert(chosen, experts, block_m_for(tokens))
-    sorts = [sort_chunked] + ([sort_small] if tokens * top_k <= SMALL_SORT_MAX else [])
-    for sort in sorts:
-        got = sort(chosen.int(), experts, block_m_for(tokens))
-        assert torch.equal(got.sorted_ids, want.sorted_ids), sort.__name__
-        assert torch.equal(got.block_expert, want.block_expert), sort.__name__
+    for block_m in (block_m_for(tokens), 128):
+        want = sort_by_expert(chosen, experts, block_m)
+        sorts = [sort_chunked] + ([sort_small] if tokens * top_k <= SMALL_SORT_MAX else [])
+        for sort in sorts:
+            got = sort(chosen.int(), experts, block_m)
+            assert torch.equal(got.sorted_ids, want.sorted_ids), (sort.__name__, block_m)
+            assert torch.equal(got.block_expert, want.block_expert), (sort.__name__, block_m)
 
 
 @pytest.mark.parametrize("tokens, experts, top_k", [(1, 8, 2), (3, 128, 8), (64, 128, 8),

@@ -130,33 +130,49 @@ def _sort_small(chosen, sorted_ids, block_expert, count, rows,
 
 
 @triton.jit
-def _count_chunk(chosen, counts, count, EXPERTS_P: tl.constexpr, CHUNK: tl.constexpr):
-    """One chunk of assignments: how many chose each expert."""
+def _count_chunk(chosen, counts, totals, sorted_ids, count, rows, fill_rows,
+                 EXPERTS_P: tl.constexpr, CHUNK: tl.constexpr):
+    """One chunk of assignments: how many chose each expert (its row of ``counts``, and added
+    to ``totals``); and its share of the rows set to ``count`` (the padding: rows no
+    assignment fills keep it)."""
     chunk = tl.program_id(0)
     lane = tl.arange(0, CHUNK)
     experts = tl.arange(0, EXPERTS_P)
     ids = tl.load(chosen + chunk * CHUNK + lane, mask=chunk * CHUNK + lane < count,
                   other=EXPERTS_P)
-    tl.store(counts + chunk * EXPERTS_P + experts,
-             tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0))
+    mine = tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    tl.store(counts + chunk * EXPERTS_P + experts, mine)
+    tl.atomic_add(totals + experts, mine, mask=mine > 0)
+    for start in range(chunk * fill_rows, tl.minimum(chunk * fill_rows + fill_rows, rows), CHUNK):
+        tl.store(sorted_ids + start + lane, count, mask=start + lane < rows)
 
 
 @triton.jit
-def _chunk_offsets(counts, offsets, sorted_ids, block_expert, count, rows, chunks,
+def _chunk_offsets(counts, totals, offsets, block_expert, rows, chunks,
                    EXPERTS: tl.constexpr, EXPERTS_P: tl.constexpr, BLOCK_M: tl.constexpr,
                    LANES: tl.constexpr):
-    """Each chunk's first row for each expert (the expert's padded start plus the earlier
-    chunks' assignments to it), the block experts, and the padding rows."""
+    """One program an expert: each chunk's first row for it (its padded start plus the earlier
+    chunks' assignments to it) and its blocks' expert; one more sets the blocks past the last
+    expert's to -1."""
+    expert = tl.program_id(0)
     experts = tl.arange(0, EXPERTS_P)
-    totals = tl.zeros([EXPERTS_P], tl.int32)
-    for chunk in range(0, chunks):
-        totals += tl.load(counts + chunk * EXPERTS_P + experts)
-    running, padded_end = _padded_offsets(totals, BLOCK_M)
-    for chunk in range(0, chunks):
-        tl.store(offsets + chunk * EXPERTS_P + experts, running)
-        running += tl.load(counts + chunk * EXPERTS_P + experts)
-    _blocks_and_padding(padded_end, block_expert, sorted_ids, count, rows, EXPERTS, BLOCK_M,
-                        LANES)
+    lane = tl.arange(0, LANES)
+    padded_start, padded_end = _padded_offsets(tl.load(totals + experts), BLOCK_M)
+    if expert < EXPERTS:
+        first = tl.sum(tl.where(experts == expert, padded_start, 0), axis=0)
+        last = tl.sum(tl.where(experts == expert, padded_end, 0), axis=0)
+        running = first
+        for start in range(0, chunks, LANES):
+            valid = start + lane < chunks
+            mine = tl.load(counts + (start + lane) * EXPERTS_P + expert, mask=valid, other=0)
+            tl.store(offsets + (start + lane) * EXPERTS_P + expert,
+                     running + tl.cumsum(mine, axis=0) - mine, mask=valid)
+            running += tl.sum(mine, axis=0)
+        for block in range(first // BLOCK_M, last // BLOCK_M, LANES):
+            tl.store(block_expert + block + lane, expert, mask=block + lane < last // BLOCK_M)
+    else:
+        for block in range(tl.max(padded_end, axis=0) // BLOCK_M, rows // BLOCK_M, LANES):
+            tl.store(block_expert + block + lane, -1, mask=block + lane < rows // BLOCK_M)
 
 
 @triton.jit
@@ -239,35 +255,45 @@ SORT_CHUNK = 64
 
 
 def sort_chunked(chosen: torch.Tensor, num_experts: int, block_m: int) -> SortedAssignments:
-    """sort_by_expert's result (the same rows and blocks) in three launches for any number of
-    assignments: each chunk's counts per expert, every chunk's first rows (with the block
-    experts and the padding), then each chunk's assignments into their rows."""
+    """sort_by_expert's result (the same rows and blocks) in three launches, each parallel,
+    for any number of assignments: each chunk's counts per expert (and the padding), each
+    expert's first rows in every chunk (and its blocks), then each chunk's assignments into
+    their rows."""
     flat = chosen.reshape(-1).contiguous()
     count = flat.numel()
     rows = -(-(count + num_experts * (block_m - 1)) // block_m) * block_m
     chunks = triton.cdiv(count, SORT_CHUNK)
     experts_p = triton.next_power_of_2(num_experts + 1)
     counts = torch.empty(chunks, experts_p, dtype=torch.int32, device=flat.device)
+    totals = torch.zeros(experts_p, dtype=torch.int32, device=flat.device)
     offsets = torch.empty_like(counts)
     sorted_ids = torch.empty(rows, dtype=torch.int32, device=flat.device)
     block_expert = torch.empty(rows // block_m, dtype=torch.int32, device=flat.device)
-    _count_chunk[(chunks,)](flat, counts, count, EXPERTS_P=experts_p, CHUNK=SORT_CHUNK)
-    _chunk_offsets[(1,)](counts, offsets, sorted_ids, block_expert, count, rows, chunks,
-                         EXPERTS=num_experts, EXPERTS_P=experts_p, BLOCK_M=block_m, LANES=64)
+    _count_chunk[(chunks,)](flat, counts, totals, sorted_ids, count, rows,
+                            triton.cdiv(rows, chunks), EXPERTS_P=experts_p, CHUNK=SORT_CHUNK)
+    _chunk_offsets[(num_experts + 1,)](counts, totals, offsets, block_expert, rows, chunks,
+                                       EXPERTS=num_experts, EXPERTS_P=experts_p,
+                                       BLOCK_M=block_m, LANES=64)
     _place_chunk[(chunks,)](flat, offsets, sorted_ids, count, EXPERTS_P=experts_p,
                             CHUNK=SORT_CHUNK)
     return SortedAssignments(sorted_ids, block_expert, count, block_m)
 
 
-# Prompt steps' tiling of the grouped GEMM, in place of the defaults: rows per block, and per
-# weight name (BLOCK_N, BLOCK_K, warps, stages[, GROUP_M]) (bench/moe_gemm.py sweeps them).
-PROMPT_BLOCK_M = 64
-PROMPT_TILES: dict[str, tuple[int, ...]] = {}
+# Prompt steps' tiling of the grouped GEMM, where experts average at least PROMPT_BLOCK_M
+# rows: rows per block, and per weight name (BLOCK_N, BLOCK_K, warps, stages[, GROUP_M]).
+# bench/moe_gemm.py chose them for qwen3-30b-a3b's experts at 2,048 and 8,192 tokens on an
+# H200: 15-25% less time than 64 x 128 x 64 (bench/results/h200-moe-prompt-steps/).
+PROMPT_BLOCK_M = 128
+PROMPT_TILES: dict[str, tuple[int, ...]] = {"gate_up_proj": (256, 64, 8, 4),
+                                            "down_proj": (256, 64, 8, 4, 8)}
 
 
-def block_m_for(tokens: int) -> int:
-    """Rows per block: small for decode batches (less padding per expert), larger for prompts."""
-    return 16 if tokens <= 64 else PROMPT_BLOCK_M
+def block_m_for(tokens: int, rows_per_expert: float = 0.0) -> int:
+    """Rows per block: 16 for decode batches up to 64 tokens (less padding per expert), 64 for
+    more, PROMPT_BLOCK_M where the experts average that many rows (``rows_per_expert``)."""
+    if tokens <= 64:
+        return 16
+    return PROMPT_BLOCK_M if rows_per_expert >= PROMPT_BLOCK_M else 64
 
 
 def grouped_gemm(a: torch.Tensor, weights: torch.Tensor, groups: SortedAssignments,
@@ -441,11 +467,14 @@ def fused_experts(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Tens
         if out is not None:
             return out
     sort = sort_small if tokens * top_k <= SMALL_SORT_MAX else sort_chunked
-    groups = sort(chosen, experts.gate_up_proj.shape[0], block_m_for(tokens))
+    num_experts = experts.gate_up_proj.shape[0]
+    block_m = block_m_for(tokens, tokens * top_k / num_experts)
+    groups = sort(chosen, num_experts, block_m)
+    prompt_tiles = tokens > 64 and block_m == PROMPT_BLOCK_M
 
     def gemm(a: torch.Tensor, name: str, rows_per_a: int,
              scale: torch.Tensor | None = None) -> torch.Tensor:
-        tile = PROMPT_TILES.get(name) if tokens > 64 else None
+        tile = PROMPT_TILES.get(name) if prompt_tiles else None
         if not experts.quantized:
             return grouped_gemm(a, getattr(experts, name), groups, rows_per_a, scale, tile=tile)
         return grouped_gemm(a, getattr(experts, name), groups, rows_per_a, scale,
