@@ -8,6 +8,10 @@ of time-sharing the GPU with every prefill step; a prompt's time in gRPC, queues
 holds decode back no longer. Decode steps taken at a small batch while a burst is prefilled
 cost nearly a full step each and slow the prefill that would fill the batch; yielding lets the
 burst land first.
+
+The prompts the loop prefills itself (``prefill_here.py``) go first the same way: while some
+still wait after a prompt step, the next step is another prompt step, until decode has been
+held back ``yield_to_prefill_s``.
 """
 from __future__ import annotations
 
@@ -27,10 +31,24 @@ class PrefillYield:
         self.yield_s = yield_s
         self.watch = watch                 # prefill steps running on this GPU, if known
         self._launched_at = 0.0            # time.monotonic(), as prefill progress is
+        self._held_since: float | None = None   # the first step held for prompts prefilled here
 
     def launched(self) -> None:
         """A decode step was launched now."""
         self._launched_at = time.monotonic()
+        self._held_since = None
+
+    def hold_for_prompts(self, waiting: bool) -> bool:
+        """Whether the next step is another step of the prompts this loop prefills itself
+        (``waiting``: some are left) instead of a decode step: up to ``yield_s`` after the first
+        decode step it held back."""
+        if self.yield_s <= 0 or not waiting:
+            self._held_since = None
+            return False
+        now = time.monotonic()
+        if self._held_since is None:
+            self._held_since = now
+        return now - self._held_since < self.yield_s
 
     def left(self) -> float:
         """How much longer the next step waits for prefill (0: launch it now): up to

@@ -216,7 +216,9 @@ class DecodeLoop:
                 self._hand_over()   # first tokens out now, not after the next decode step
             self._admit()
             # Yielding, the step in flight is still collected (its tokens go out); none follows.
-            step = None if self._yield.left() > 0 else self._plan()
+            prompts_wait = not self._to_prefill.concurrent and bool(self._to_prefill)
+            step = (None if self._yield.left() > 0 or self._yield.hold_for_prompts(prompts_wait)
+                    else self._plan())
             if step is None and self._overlap.in_flight is None:
                 self._hand_over()
                 continue

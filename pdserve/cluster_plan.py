@@ -219,7 +219,8 @@ class ClusterPlan:
             engine = dataclasses.replace(engine, prompt_graphs_on_decode=True)   # it prefills
         if role == "decode" and config.yield_to_prefill_ms < 0:
             config = dataclasses.replace(config, yield_to_prefill_ms=(
-                YIELD_TO_PREFILL_MS if "prefill" in sharing else 0.0))
+                YIELD_TO_PREFILL_MS if "prefill" in sharing or self.prefill_on_decode()
+                else 0.0))
         return to_argv(engine) + to_argv(config)
 
     def router_argv(self, prefill_addrs: list[str], decode_addrs: list[str],

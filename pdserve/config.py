@@ -198,8 +198,10 @@ class DecodeConfig:
     yield_to_prefill_ms: float = setting(
         -1.0, "on a GPU shared with a prefill worker, hold the next decode step back up to this "
         "long while a prefill step for prompts reserved here runs on the GPU, so prefill runs "
-        "first (as one process schedules a waiting prompt before a decode step); 0: never; -1 "
-        "(auto): 1000 where `pdserve up` puts a prefill worker on this GPU, else 0")
+        "first (as one process schedules a waiting prompt before a decode step); likewise, "
+        "while prompts this worker prefills itself wait, run their steps first for up to this "
+        "long; 0: never; -1 (auto): 1000 where `pdserve up` puts a prefill worker on this GPU "
+        "or none (--prefill-on-decode), else 0")
     max_queued_reservations: int = setting(1024, "requests that may wait in the queue for KV "
                                            "pages; one more is RESOURCE_EXHAUSTED")
     reserve_wait_s: float = setting(0.0, "longest wait in that queue before RESOURCE_EXHAUSTED "

@@ -39,16 +39,22 @@ def _jobs() -> list[tuple[list[int], SamplingParams]]:
 
 async def _decode_all(runner, jobs, overlap: bool, here: bool = False, all_here: bool = False,
                       prefix_cache: bool = False, step_tokens: int = 4096,
-                      concurrent: bool = False,
+                      concurrent: bool = False, yield_s: float = 0.0, events: list | None = None,
                       ) -> tuple[dict[str, list[int]], DecodeLoop, ReservationTable]:
     """``here``: every other request (the odd ones) is prefilled by the loop itself;
     ``all_here``: every request; ``concurrent``: its prompt steps launched, and collected on a
-    later turn of the loop (--concurrent-prompt-steps)."""
+    later turn of the loop (--concurrent-prompt-steps). ``events`` (given) gets ("prompt", _)
+    for each prompt step and ("decode", prompts still waiting) for each decode step."""
     table = ReservationTable(runner.pool, 64, 5.0, 60.0, unseen_writes_possible=False,
                              prefix_cache=prefix_cache)
     loop = DecodeLoop(DecodeSteps(runner, MAX_RUNNING), table, MAX_RUNNING,
-                      DecodeMetrics("test"), overlap=overlap,
+                      DecodeMetrics("test"), overlap=overlap, yield_to_prefill_s=yield_s,
                       prefill_here_step_tokens=step_tokens, concurrent_prompt_steps=concurrent)
+    if events is not None:
+        prompt_step, launch = loop._prefill_here, loop._launch
+        loop._prefill_here = lambda: (events.append(("prompt", True)), prompt_step())[1]
+        loop._launch = lambda step: (events.append(("decode", bool(loop._to_prefill))),
+                                     launch(step))[1]
     task = asyncio.create_task(loop.run())
     outbox = Outbox()
     outputs: dict[str, list[int]] = {}
@@ -121,6 +127,47 @@ def test_prompts_prefilled_by_the_loop_match_single_process(tiny_runner, overlap
         assert outputs[f"r{i}"] == local.generate(tiny_runner, prompt, params), f"request {i}"
     assert table.held_pages == 0 and loop.num_free_slots == MAX_RUNNING
     assert tiny_runner.pool.allocator.num_free == free_before
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_prompts_prefilled_here_go_before_decode_steps_while_they_wait(tiny_runner, overlap):
+    """With a yield (--prefill-on-decode's auto): while prompts the loop prefills itself still
+    wait after a prompt step, the next step is theirs, not a decode step (the wait allowed
+    here, 1000 s, never runs out); without one, decode steps come between. Every token is
+    still what one process gives."""
+    jobs = _jobs()
+    free_before = tiny_runner.pool.allocator.num_free
+    for yield_s in (1000.0, 0.0):
+        events: list[tuple[str, bool]] = []
+        outputs, loop, table = asyncio.run(_decode_all(
+            tiny_runner, jobs, overlap, all_here=True, step_tokens=7, yield_s=yield_s,
+            events=events))
+        for i, (prompt, params) in enumerate(jobs):
+            assert outputs[f"r{i}"] == local.generate(tiny_runner, prompt, params), i
+        assert table.held_pages == 0 and loop.num_free_slots == MAX_RUNNING
+        assert tiny_runner.pool.allocator.num_free == free_before
+        decode_while_waiting = sum(1 for kind, waiting in events if kind == "decode" and waiting)
+        assert sum(kind == "prompt" for kind, _ in events) > len(jobs)   # prompts chunked
+        assert (decode_while_waiting == 0) == (yield_s > 0), (yield_s, events)
+
+
+def test_a_hold_for_waiting_prompts_ends_after_the_yield(monkeypatch):
+    import decode_service.prefill_yield as prefill_yield
+
+    now = [100.0]
+    monkeypatch.setattr(prefill_yield.time, "monotonic", lambda: now[0])
+    hold = prefill_yield.PrefillYield(None, 1.0, None)
+    assert hold.hold_for_prompts(True)         # the first decode step held back
+    now[0] += 0.9
+    assert hold.hold_for_prompts(True)
+    now[0] += 0.2
+    assert not hold.hold_for_prompts(True)     # held 1.1 s: decode goes next
+    hold.launched()
+    assert hold.hold_for_prompts(True)         # a new hold from that step on
+    assert not hold.hold_for_prompts(False)    # none wait: no hold
+    now[0] += 5.0
+    assert hold.hold_for_prompts(True)
+    assert not prefill_yield.PrefillYield(None, 0.0, None).hold_for_prompts(True)
 
 
 @pytest.mark.parametrize("overlap, concurrent", [(True, False), (False, False), (True, True)],

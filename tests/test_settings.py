@@ -203,7 +203,8 @@ def test_up_resolves_auto_devices_and_router_count_from_the_host(monkeypatch):
     assert plan_for("--device", "cuda").router_count() == 4
     assert plan_for("--routers", "3").router_count() == 3
     monkeypatch.setattr(cluster_plan, "_host_has_gpu", lambda: True)
-    assert plan_for().prefill_on_decode() and yield_ms(plan_for()) == 0   # one GPU: no prefill
+    # One GPU: the decode worker prefills its prompts, and they go first while they wait.
+    assert plan_for().prefill_on_decode() and yield_ms(plan_for()) == YIELD_TO_PREFILL_MS
     assert yield_ms(plan_for("--prefill-on-decode", "off")) == YIELD_TO_PREFILL_MS
     assert plan_for().router_count() == 4
     assert plan_for("--device", "cpu").router_count() == 1
