@@ -7,6 +7,8 @@ one step over such prompts, in arrival order, up to ``--prefill-here-step-tokens
 prompt continues in the next, a chunk a step, so no step holds decode back longer than that),
 their KV going straight into their reservations; a prompt whose last chunk this was has its first
 token, sampled as a prefill worker samples it, and joins the decode batch like any other.
+While prompts still wait after a step, the loop may run another before its next decode step
+(``--yield-to-prefill-ms``, ``prefill_yield.py``).
 Under ``--concurrent-prompt-steps`` that step runs beside the decode steps instead, on a stream
 of its own, and the loop collects it once the GPU is done with it.
 """
