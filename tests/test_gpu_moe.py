@@ -42,6 +42,18 @@ def test_grouped_gemm_kernel_matches_its_torch_statement(tokens, experts, top_k)
                 assert ((got - want).abs().max() / want.abs().max()) < 1e-2, (block_m, tile)
 
 
+def test_prompt_tilings_fit_hopper_and_fall_back_elsewhere():
+    """The prompt tilings' pipelines against the shared memory a program may take: they fit
+    an H100/H200 (227 KiB), and where they would not (an A100's 163 KiB, a GeForce's 99 KiB)
+    the experts take the kernel's own tiling instead of failing to launch."""
+    from pdserve.models.moe_kernel import PROMPT_BLOCK_M, PROMPT_TILES, _shared_memory, fits
+
+    for tile in PROMPT_TILES.values():
+        assert fits(tile, PROMPT_BLOCK_M, 2, 227 * 1024)
+        assert not fits(tile, PROMPT_BLOCK_M, 2, 163 * 1024)
+    assert _shared_memory(0) > 0
+
+
 def _moe_runner() -> ModelRunner:
     register_small_moe()
     return ModelRunner(EngineConfig(model="small-moe", page_size=16, num_pages=256,

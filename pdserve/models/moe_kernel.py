@@ -9,6 +9,8 @@ and, on the device, against the reference loop (tests/test_gpu_moe.py).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -288,6 +290,20 @@ PROMPT_TILES: dict[str, tuple[int, ...]] = {"gate_up_proj": (256, 64, 8, 4),
                                             "down_proj": (256, 64, 8, 4, 8)}
 
 
+@functools.cache
+def _shared_memory(device_index: int) -> int:
+    """The most shared memory one program may take on that GPU (opt-in), bytes."""
+    return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
+
+
+def fits(tile: tuple[int, ...], block_m: int, element_bytes: int, shared_memory: int) -> bool:
+    """Whether ``tile``'s pipeline (its stages of a BLOCK_M x BLOCK_K and a BLOCK_K x BLOCK_N
+    slice) fits ``shared_memory`` bytes: the prompt tilings take 192 KiB, which Hopper has and
+    an A100 or a GeForce does not."""
+    block_n, block_k, _, stages = tile[:4]
+    return (block_m * block_k + block_k * block_n) * element_bytes * stages <= shared_memory
+
+
 def block_m_for(tokens: int, rows_per_expert: float = 0.0) -> int:
     """Rows per block: 16 for decode batches up to 64 tokens (less padding per expert), 64 for
     more, PROMPT_BLOCK_M where the experts average that many rows (``rows_per_expert``)."""
@@ -475,6 +491,9 @@ def fused_experts(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Tens
     def gemm(a: torch.Tensor, name: str, rows_per_a: int,
              scale: torch.Tensor | None = None) -> torch.Tensor:
         tile = PROMPT_TILES.get(name) if prompt_tiles else None
+        if tile is not None and not fits(tile, block_m, a.element_size(),
+                                         _shared_memory(a.device.index or 0)):
+            tile = None   # the kernel's own tiling: a GPU with less shared memory than Hopper
         if not experts.quantized:
             return grouped_gemm(a, getattr(experts, name), groups, rows_per_a, scale, tile=tile)
         return grouped_gemm(a, getattr(experts, name), groups, rows_per_a, scale,
