@@ -40,6 +40,14 @@ from pdserve.metrics import DecodeMetrics
 
 log = logging.getLogger(__name__)
 
+# A prompt prefilled here whose first SHARED_PREFIX_TOKENS another prompt still being computed
+# here shares (and the cache does not have yet) waits for that one's KV to be cached, rather
+# than computing the prefix again: while prompts already handed to the loop fill at least
+# ``defer_backlog_tokens`` (its step), at most SHARED_PREFIX_WAIT_S. A burst's prompts all
+# arrive before any is cached; under light load a prompt never waits.
+SHARED_PREFIX_TOKENS = 64
+SHARED_PREFIX_WAIT_S = 5.0
+
 
 @dataclass(eq=False)
 class Reservation:
@@ -63,7 +71,7 @@ class Reservation:
 class ReservationTable:
     def __init__(self, pool: KVPool, max_queued: int, wait_s: float, lease_timeout_s: float,
                  unseen_writes_possible: bool, metrics: DecodeMetrics | None = None,
-                 prefix_cache: bool = False) -> None:
+                 prefix_cache: bool = False, defer_backlog_tokens: int = 0) -> None:
         self.pool = pool
         # Free and cached pages, as on a prefill worker; the reservations count their own.
         self.pages = PrefixPages(pool.allocator, pool.page_size, prefix_cache,
@@ -84,6 +92,12 @@ class ReservationTable:
         self.num_prefilling = 0        # of _by_id, those whose prompt prefill is still computing
         self.prefill_progress_at = 0.0  # monotonic: last time one joined or left that set
         self.on_prefill_idle: Callable[[], None] | None = None   # called as that set empties
+        # Prompts prefilled here not yet cached: their tokens left to compute, and by their
+        # first SHARED_PREFIX_TOKENS the one computing them (done once they are cached).
+        self.defer_backlog_tokens = defer_backlog_tokens if prefix_cache else 0
+        self.prefill_here_tokens = 0
+        self._computing: dict[str, tuple[tuple[int, ...] | None, int]] = {}
+        self._leaders: dict[tuple[int, ...], tuple[str, asyncio.Future]] = {}
 
     def __len__(self) -> int:
         """Reservations not fenced (what a client would call open)."""
@@ -248,6 +262,41 @@ class ReservationTable:
         self._fire(res, Event.DECODE)
         return res
 
+    async def wait_for_shared_prefix(self, prompt_ids: list[int]) -> None:
+        """Before start_prefill_here: while a backlog fills a step, waits (at most
+        SHARED_PREFIX_WAIT_S) for the prompt being computed here that shares this one's first
+        SHARED_PREFIX_TOKENS to be cached, so that this one takes them from the cache."""
+        key = self._prefix_key(prompt_ids)
+        deadline = time.monotonic() + SHARED_PREFIX_WAIT_S
+        while (key is not None and key in self._leaders and self.defer_backlog_tokens
+               and self.prefill_here_tokens >= self.defer_backlog_tokens):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                await asyncio.wait_for(asyncio.shield(self._leaders[key][1]), left)
+            except asyncio.TimeoutError:
+                return
+
+    def _prefix_key(self, prompt_ids: list[int]) -> tuple[int, ...] | None:
+        # The prompt's last token is always computed, so a shorter prompt shares nothing.
+        if self.cache is None or len(prompt_ids) <= SHARED_PREFIX_TOKENS:
+            return None
+        return tuple(prompt_ids[:SHARED_PREFIX_TOKENS])
+
+    def _computed(self, request_id: str) -> None:
+        """A prompt prefilled here is cached, or ended: it leaves the backlog, and prompts
+        waiting for its prefix go on."""
+        entry = self._computing.pop(request_id, None)
+        if entry is None:
+            return
+        key, tokens = entry
+        self.prefill_here_tokens -= tokens
+        leader = self._leaders.get(key) if key is not None else None
+        if leader is not None and leader[0] == request_id:
+            del self._leaders[key]
+            leader[1].set_result(None)
+
     def start_prefill_here(self, request_id: str, prompt_ids: list[int]) -> Reservation:
         """Hands a reservation nobody has written to the decode loop, which computes the
         prompt's KV into it itself (InvalidRequest once a sender has begun). With a prefix
@@ -257,6 +306,17 @@ class ReservationTable:
         self._fire(res, Event.PREFILL_HERE)
         if self.cache is None:
             return res
+        self._match_prefix(res, prompt_ids)
+        key = self._prefix_key(prompt_ids)
+        tokens = res.prompt_len - res.cached_tokens
+        self._computing[request_id] = (key, tokens)
+        self.prefill_here_tokens += tokens
+        if key is not None and key not in self._leaders \
+                and res.cached_tokens < SHARED_PREFIX_TOKENS:   # it computes the prefix
+            self._leaders[key] = (request_id, asyncio.get_running_loop().create_future())
+        return res
+
+    def _match_prefix(self, res: Reservation, prompt_ids: list[int]) -> None:
         res.prompt_ids = prompt_ids
         # The prompt's last token is always computed: its logits give the first token.
         cached, node = self.cache.match(prompt_ids[:len(prompt_ids) - 1])
@@ -272,7 +332,6 @@ class ReservationTable:
             if self.metrics:
                 self.metrics.cache_hit_tokens.inc(res.cached_tokens)
             self._wake_next()
-        return res
 
     def cache_prompt(self, request_id: str, computed_tokens: int) -> None:
         """The KV of the first ``computed_tokens`` of a prompt prefilled here is in its pages:
@@ -281,6 +340,7 @@ class ReservationTable:
         res = self._by_id.get(request_id)
         if self.cache is None or res is None or res.prompt_ids is None:
             return
+        self._computed(request_id)
         node, adopted = self.cache.insert(res.prompt_ids, res.pages,
                                           min(computed_tokens, res.prompt_len), after=res.node)
         if node is res.node:
@@ -333,6 +393,7 @@ class ReservationTable:
             res.timer = None
         if res.state is State.RELEASED:
             del self._by_id[res.request_id]
+            self._computed(res.request_id)
             self._free(res)
             self._wake_next()
         self._publish()

@@ -124,6 +124,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             prompt_ids = list(request.prompt_token_ids)
             self._check_decode(request, params, prompt_ids)
             if request.prefill_here:
+                # A burst's prompts sharing a prefix: one computes it, the rest take it cached.
+                await self.table.wait_for_shared_prefix(prompt_ids)
                 res = self.table.start_prefill_here(request.request_id, prompt_ids)
             else:
                 res = await self.table.start_decoding(request.request_id)
@@ -199,7 +201,8 @@ async def serve(config: DecodeConfig) -> None:
                              config.lease_timeout_s,
                              unseen_writes_possible=writes_unseen(engines),
                              metrics=metrics,
-                             prefix_cache=not config.disable_local_prefix_cache)
+                             prefix_cache=not config.disable_local_prefix_cache,
+                             defer_backlog_tokens=config.prefill_here_step_tokens)
     metrics.watch_pool(runner.pool.allocator, lambda: table.held_pages + table.cached_pages)
     metrics.cache_pages.set_function(lambda: table.cached_pages)
     gpu = gpu_uuid(runner.device)   # yields only while a prefill step runs on this GPU

@@ -170,6 +170,92 @@ def test_a_hold_for_waiting_prompts_ends_after_the_yield(monkeypatch):
     assert not prefill_yield.PrefillYield(None, 0.0, None).hold_for_prompts(True)
 
 
+async def _burst_sharing_a_prefix(runner, defer_backlog_tokens: int, cancel: str = ""
+                                  ) -> tuple[dict[str, list[int]], int, ReservationTable]:
+    """Eight prompts prefilled here arriving together, seven sharing an 80-token prefix, each
+    started as the server starts one (wait_for_shared_prefix, then start_prefill_here);
+    ``cancel``: that request's start is cancelled while it waits, and it is released. Returns
+    the outputs, the prompt tokens taken from the cache and the table."""
+    from decode_service.reservations import SHARED_PREFIX_TOKENS
+
+    rng = random.Random(12)
+    prefix = [rng.randrange(256) for _ in range(SHARED_PREFIX_TOKENS + 16)]
+    prompts = [prefix + [rng.randrange(256) for _ in range(3 + i)] for i in range(7)]
+    prompts.append([rng.randrange(256) for _ in range(90)])   # shares nothing
+    params = SamplingParams(max_new_tokens=5)
+    table = ReservationTable(runner.pool, 64, 5.0, 60.0, unseen_writes_possible=False,
+                             prefix_cache=True, defer_backlog_tokens=defer_backlog_tokens)
+    loop = DecodeLoop(DecodeSteps(runner, MAX_RUNNING), table, MAX_RUNNING,
+                      DecodeMetrics("test"), prefill_here_step_tokens=4096)
+    task = asyncio.create_task(loop.run())
+    outbox = Outbox()
+    outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    finished: set[str] = set()
+
+    async def start(request_id: str, prompt: list[int]) -> None:
+        res = await table.reserve(request_id, len(prompt), params.max_new_tokens)
+        await table.wait_for_shared_prefix(prompt)
+        table.start_prefill_here(request_id, prompt)
+        loop.add(DecodeRequest(request_id, res, params, prompt, [], outbox, prefill_here=True,
+                               prefilled=res.cached_tokens))
+
+    try:
+        starts = {f"r{i}": asyncio.create_task(start(f"r{i}", p)) for i, p in enumerate(prompts)}
+        if cancel:
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+            assert not starts[cancel].done()   # waiting for r0's prefix
+            starts[cancel].cancel()
+            table.release(cancel)              # as the router's Release does
+            finished.add(cancel)
+        while len(finished) < len(prompts):
+            request_ids, token_ids, finals = await asyncio.wait_for(outbox.take(), 60)
+            for request_id, token_id in zip(request_ids, token_ids):
+                outputs[request_id].append(token_id)
+            for final in finals:
+                outputs[final.request_id] += final.token_ids
+                finished.add(final.request_id)
+        for _ in range(100):
+            if table.held_pages == 0:
+                break
+            await asyncio.sleep(0.02)
+    finally:
+        task.cancel()
+    for request_id, prompt in zip(outputs, prompts):
+        if request_id != cancel:
+            assert outputs[request_id] == local.generate(runner, prompt, params), request_id
+    return outputs, table.hit_tokens, table
+
+
+def test_a_burst_sharing_a_prefix_computes_it_once(tiny_runner):
+    """While a step's worth of prompts waits, the prompts sharing a prefix with one being
+    computed wait for it to be cached and take it from there (six times the 80-token prefix);
+    without that (a backlog never reached) all eight arrive before anything is cached and
+    every one computes it. The same tokens either way; every page back."""
+    for backlog, want_hits in ((1, 6 * 80), (10**6, 0)):
+        free_before = tiny_runner.pool.allocator.num_free
+        _, hits, table = asyncio.run(_burst_sharing_a_prefix(tiny_runner, backlog))
+        assert hits == want_hits and table.held_pages == 0 and table.prefill_here_tokens == 0
+        _assert_free_or_cached(tiny_runner, table, free_before)
+
+
+def test_a_prompt_cancelled_while_it_waits_for_a_shared_prefix_leaves_nothing(tiny_runner):
+    free_before = tiny_runner.pool.allocator.num_free
+    outputs, hits, table = asyncio.run(_burst_sharing_a_prefix(tiny_runner, 1, cancel="r3"))
+    assert outputs["r3"] == [] and hits == 5 * 80
+    assert table.held_pages == 0 and len(table) == 0 and table.prefill_here_tokens == 0
+    _assert_free_or_cached(tiny_runner, table, free_before)
+
+
+def _assert_free_or_cached(runner, table: ReservationTable, free_before: int) -> None:
+    """Every page the run took is free or in the cache, unlocked; the cache gives them back."""
+    cache = table.cache
+    assert cache.evictable_pages == cache.cached_pages
+    assert runner.pool.allocator.num_free + cache.cached_pages == free_before
+    runner.pool.allocator.free(cache.evict(cache.cached_pages))
+    assert runner.pool.allocator.num_free == free_before
+
+
 @pytest.mark.parametrize("overlap, concurrent", [(True, False), (False, False), (True, True)],
                          ids=["overlap", "no-overlap", "concurrent"])
 def test_prompts_prefilled_here_take_cached_prefixes_and_match_single_process(tiny_runner,
