@@ -218,9 +218,11 @@ class ClusterPlan:
                                  or self.router.local_prefill_max_tokens > 0):
             engine = dataclasses.replace(engine, prompt_graphs_on_decode=True)   # it prefills
         if role == "decode" and config.yield_to_prefill_ms < 0:
+            # Under --prefill-on-decode on a GPU its own prompts go first; on the CPU, where
+            # no prefill step is watched, a yield would hold decode for every reservation.
             config = dataclasses.replace(config, yield_to_prefill_ms=(
-                YIELD_TO_PREFILL_MS if "prefill" in sharing or self.prefill_on_decode()
-                else 0.0))
+                YIELD_TO_PREFILL_MS if "prefill" in sharing
+                or (self.prefill_on_decode() and mine) else 0.0))
         return to_argv(engine) + to_argv(config)
 
     def router_argv(self, prefill_addrs: list[str], decode_addrs: list[str],

@@ -199,6 +199,7 @@ def test_up_resolves_auto_devices_and_router_count_from_the_host(monkeypatch):
     monkeypatch.setattr(cluster_plan, "_host_has_gpu", lambda: False)
     monkeypatch.setattr(cluster_plan.os, "cpu_count", lambda: 16)
     assert yield_ms(plan_for()) == 0
+    assert yield_ms(plan_for("--prefill-on-decode", "on")) == 0   # no GPU: no yield
     assert plan_for().router_count() == 1
     assert plan_for("--device", "cuda").router_count() == 4
     assert plan_for("--routers", "3").router_count() == 3
