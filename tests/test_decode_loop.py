@@ -187,7 +187,7 @@ async def _burst_sharing_a_prefix(runner, defer_backlog_tokens: int, cancel: str
                              prefix_cache=True, defer_backlog_tokens=defer_backlog_tokens)
     loop = DecodeLoop(DecodeSteps(runner, MAX_RUNNING), table, MAX_RUNNING,
                       DecodeMetrics("test"), prefill_here_step_tokens=4096)
-    task = asyncio.create_task(loop.run())
+    task = None
     outbox = Outbox()
     outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     finished: set[str] = set()
@@ -201,13 +201,15 @@ async def _burst_sharing_a_prefix(runner, defer_backlog_tokens: int, cancel: str
 
     try:
         starts = {f"r{i}": asyncio.create_task(start(f"r{i}", p)) for i, p in enumerate(prompts)}
+        await asyncio.sleep(0)                 # every start reached its wait, or the loop's queue
+        # r0 computes the prefix; while its tokens reach the backlog, r1-r6 wait for it.
+        waiting = [f"r{i}" for i in range(1, 7)] if defer_backlog_tokens <= len(prompts[0]) else []
+        assert [r for r, t in starts.items() if not t.done()] == waiting
         if cancel:
-            await asyncio.sleep(0)
-            await asyncio.sleep(0)
-            assert not starts[cancel].done()   # waiting for r0's prefix
             starts[cancel].cancel()
             table.release(cancel)              # as the router's Release does
             finished.add(cancel)
+        task = asyncio.create_task(loop.run())   # only now is anything computed
         while len(finished) < len(prompts):
             request_ids, token_ids, finals = await asyncio.wait_for(outbox.take(), 60)
             for request_id, token_id in zip(request_ids, token_ids):
@@ -220,7 +222,8 @@ async def _burst_sharing_a_prefix(runner, defer_backlog_tokens: int, cancel: str
                 break
             await asyncio.sleep(0.02)
     finally:
-        task.cancel()
+        if task is not None:
+            task.cancel()
     for request_id, prompt in zip(outputs, prompts):
         if request_id != cancel:
             assert outputs[request_id] == local.generate(runner, prompt, params), request_id
