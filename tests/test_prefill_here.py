@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -144,8 +145,9 @@ def test_tensor_parallel_decode_ranks_prefill_here_too(tiny_runner):
 
 def test_up_with_prefill_on_decode_starts_no_prefill_worker_and_matches(tiny_runner):
     """One copy of the weights per GPU: decode workers prefill every prompt, long ones in
-    chunks, with the single process's tokens; every page comes back."""
-    cluster = start_cluster(["--prefill-on-decode"])
+    chunks (steps of 256 tokens here), with the single process's tokens; prompts arriving
+    together that share a prefix compute it once; every page comes back."""
+    cluster = start_cluster(["--prefill-on-decode", "--prefill-here-step-tokens", "256"])
     try:
         assert cluster.workers["prefill"] == [] and len(cluster.workers["decode"]) == 1
         _check_greedy_burst(cluster.stub(), tiny_runner)
@@ -162,8 +164,25 @@ def test_up_with_prefill_on_decode_starts_no_prefill_worker_and_matches(tiny_run
                 sampling=generate_pb2.SamplingParams(max_new_tokens=6, ignore_eos=True)),
                 timeout=60) for t in r.token_ids]
             assert ids == local.generate(tiny_runner, prompt, SamplingParams(max_new_tokens=6))
-        assert metric_sum(cluster.metrics_urls["decode0"],
-                          "pdserve_prefix_cache_hit_tokens_total") >= 2 * (len(prefix) - 16)
+        url = cluster.metrics_urls["decode0"]
+        hits = metric_sum(url, "pdserve_prefix_cache_hit_tokens_total")
+        assert hits >= 2 * (len(prefix) - 16)
+        # Eight at once sharing a prefix nothing cached yet, past a step's tokens: one computes
+        # it, the others wait for its pages and take them (six whole pages each).
+        burst_prefix = list(b"a longer instruction that a burst of requests all begin with. " * 2)
+        prompts = [burst_prefix + list(f"question {i}?".encode()) for i in range(8)]
+
+        def generate(prompt: list[int]) -> list[int]:
+            return [t for r in cluster.stub().Generate(generate_pb2.GenerateRequest(
+                token_ids=generate_pb2.TokenIds(ids=prompt), stream=True,
+                sampling=generate_pb2.SamplingParams(max_new_tokens=4, ignore_eos=True)),
+                timeout=60) for t in r.token_ids]
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            outputs = list(pool.map(generate, prompts))
+        for prompt, ids in zip(prompts, outputs):
+            assert ids == local.generate(tiny_runner, prompt, SamplingParams(max_new_tokens=4))
+        assert metric_sum(url, "pdserve_prefix_cache_hit_tokens_total") - hits >= 7 * 6 * 16
         assert cluster.wait_all_pages_free()
     finally:
         stop_cluster(cluster)
