@@ -284,7 +284,7 @@ def sort_chunked(chosen: torch.Tensor, num_experts: int, block_m: int) -> Sorted
 # Prompt steps' tiling of the grouped GEMM, where experts average at least PROMPT_BLOCK_M
 # rows: rows per block, and per weight name (BLOCK_N, BLOCK_K, warps, stages[, GROUP_M]).
 # bench/moe_gemm.py chose them for qwen3-30b-a3b's experts at 2,048 and 8,192 tokens on an
-# H200: 15-25% less time than 64 x 128 x 64 (bench/results/h200-moe-prompt-steps/).
+# H200: 12-28% less time than 64 x 128 x 64 (bench/results/h200-moe-prompt-steps/).
 PROMPT_BLOCK_M = 128
 PROMPT_TILES: dict[str, tuple[int, ...]] = {"gate_up_proj": (256, 64, 8, 4),
                                             "down_proj": (256, 64, 8, 4, 8)}
