@@ -95,7 +95,6 @@ class ReservationTable:
         # Prompts prefilled here not yet cached: their tokens left to compute, and by their
         # first SHARED_PREFIX_TOKENS the one computing them (done once they are cached).
         self.defer_backlog_tokens = defer_backlog_tokens if prefix_cache else 0
-        self.prefill_here_tokens = 0
         self._computing: dict[str, tuple[tuple[int, ...] | None, int]] = {}
         self._leaders: dict[tuple[int, ...], tuple[str, asyncio.Future]] = {}
 
@@ -262,6 +261,11 @@ class ReservationTable:
         self._fire(res, Event.DECODE)
         return res
 
+    @property
+    def prefill_here_tokens(self) -> int:
+        """Prompt tokens handed to the loop to prefill here and not yet cached."""
+        return sum(tokens for _, tokens in self._computing.values())
+
     async def wait_for_shared_prefix(self, prompt_ids: list[int]) -> None:
         """Before start_prefill_here: while a backlog fills a step, waits (at most
         SHARED_PREFIX_WAIT_S) for the prompt being computed here that shares this one's first
@@ -290,8 +294,7 @@ class ReservationTable:
         entry = self._computing.pop(request_id, None)
         if entry is None:
             return
-        key, tokens = entry
-        self.prefill_here_tokens -= tokens
+        key = entry[0]
         leader = self._leaders.get(key) if key is not None else None
         if leader is not None and leader[0] == request_id:
             del self._leaders[key]
@@ -308,9 +311,7 @@ class ReservationTable:
             return res
         self._match_prefix(res, prompt_ids)
         key = self._prefix_key(prompt_ids)
-        tokens = res.prompt_len - res.cached_tokens
-        self._computing[request_id] = (key, tokens)
-        self.prefill_here_tokens += tokens
+        self._computing[request_id] = (key, res.prompt_len - res.cached_tokens)
         if key is not None and key not in self._leaders \
                 and res.cached_tokens < SHARED_PREFIX_TOKENS:   # it computes the prefix
             self._leaders[key] = (request_id, asyncio.get_running_loop().create_future())
