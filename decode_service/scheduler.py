@@ -214,6 +214,8 @@ class DecodeLoop:
             elif self._to_prefill:
                 self._prefill_here()
                 self._hand_over()   # first tokens out now, not after the next decode step
+                if not self._take_commands(block=False):   # prompts that came during it go next
+                    return
             self._admit()
             # Yielding, the step in flight is still collected (its tokens go out); none follows.
             prompts_wait = not self._to_prefill.concurrent and bool(self._to_prefill)

@@ -170,6 +170,72 @@ def test_a_hold_for_waiting_prompts_ends_after_the_yield(monkeypatch):
     assert not prefill_yield.PrefillYield(None, 0.0, None).hold_for_prompts(True)
 
 
+async def _prompt_during_a_prompt_step(runner, yield_s: float
+                                       ) -> tuple[list[str], dict[str, list[int]], dict, DecodeLoop,
+                                                  ReservationTable]:
+    """Prompt b, prefilled here, arrives while the loop runs prompt a's step; the kinds of steps
+    in order, and what each request got."""
+    table = ReservationTable(runner.pool, 64, 5.0, 60.0, unseen_writes_possible=False)
+    loop = DecodeLoop(DecodeSteps(runner, MAX_RUNNING), table, MAX_RUNNING,
+                      DecodeMetrics("test"), overlap=True, yield_to_prefill_s=yield_s)
+    outbox = Outbox()
+    params = SamplingParams(max_new_tokens=4)
+    prompts = {"a": list(range(1, 30)), "b": list(range(40, 61))}
+    reqs = {}
+    for request_id, prompt in prompts.items():
+        res = await table.reserve(request_id, len(prompt), params.max_new_tokens)
+        table.start_prefill_here(request_id, prompt)
+        reqs[request_id] = DecodeRequest(request_id, res, params, prompt, [], outbox,
+                                         prefill_here=True, prefilled=res.cached_tokens)
+    events: list[str] = []
+    prompt_step, launch = loop._prefill_here, loop._launch
+
+    def prefill_here() -> None:
+        events.append("prompt")
+        if len(events) == 1:
+            loop.add(reqs["b"])
+        prompt_step()
+
+    loop._prefill_here = prefill_here
+    loop._launch = lambda step: (events.append("decode"), launch(step))[1]
+    task = asyncio.create_task(loop.run())
+    outputs: dict[str, list[int]] = {request_id: [] for request_id in prompts}
+    finished: set[str] = set()
+    try:
+        loop.add(reqs["a"])
+        while len(finished) < len(prompts):
+            request_ids, token_ids, finals = await asyncio.wait_for(outbox.take(), 60)
+            for request_id, token_id in zip(request_ids, token_ids):
+                outputs[request_id].append(token_id)
+            for final in finals:
+                outputs[final.request_id] += final.token_ids
+                finished.add(final.request_id)
+        for _ in range(100):
+            if table.held_pages == 0:
+                break
+            await asyncio.sleep(0.02)
+    finally:
+        task.cancel()
+    return events, outputs, prompts, loop, table
+
+
+def test_a_prompt_arriving_during_a_prompt_step_goes_before_the_next_decode_step(tiny_runner):
+    """With a yield, a prompt that arrives while the loop computes another is the next step
+    (a decode step between them would delay its first token by a whole step); without one,
+    a decode step comes between. Tokens as one process gives them, every page back."""
+    free_before = tiny_runner.pool.allocator.num_free
+    params = SamplingParams(max_new_tokens=4)
+    for yield_s, first_steps in ((1000.0, ["prompt", "prompt", "decode"]),
+                                 (0.0, ["prompt", "decode", "prompt"])):
+        events, outputs, prompts, loop, table = asyncio.run(
+            _prompt_during_a_prompt_step(tiny_runner, yield_s))
+        assert events[:3] == first_steps, (yield_s, events)
+        for request_id, prompt in prompts.items():
+            assert outputs[request_id] == local.generate(tiny_runner, prompt, params)
+        assert table.held_pages == 0 and loop.num_free_slots == MAX_RUNNING
+        assert tiny_runner.pool.allocator.num_free == free_before
+
+
 async def _burst_sharing_a_prefix(runner, defer_backlog_tokens: int, cancel: str = ""
                                   ) -> tuple[dict[str, list[int]], int, ReservationTable]:
     """Eight prompts prefilled here arriving together, seven sharing an 80-token prefix, each
