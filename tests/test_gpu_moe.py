@@ -42,6 +42,35 @@ def test_grouped_gemm_kernel_matches_its_torch_statement(tokens, experts, top_k)
                 assert ((got - want).abs().max() / want.abs().max()) < 1e-2, (block_m, tile)
 
 
+def test_prompt_fusions_compute_what_the_separate_kernels_do(monkeypatch):
+    """moe_kernel.PROMPT_FUSIONS: SiLU-and-mul in the gate/up GEMM's epilogue and the sum over
+    each token's experts in one kernel, against the separate kernels (a prompt of 600 tokens:
+    150 rows an expert, the prompt tiling)."""
+    from pdserve.models import moe_kernel
+
+    runner = _moe_runner()
+    mlp = runner.model.layers[0].mlp
+    generator = torch.Generator(device=CUDA).manual_seed(5)
+    x = torch.randn(600, mlp.experts.gate_up_proj.shape[-1], device=CUDA,
+                    generator=generator).bfloat16()
+    weights = torch.rand(600, 2, device=CUDA, generator=generator)
+    chosen = _chosen(600, 8, 2, seed=5).to(CUDA)
+    ops = runner.model.ops
+    separate = ops.fused_experts(x, mlp.experts, weights, chosen).float()
+    monkeypatch.setattr(moe_kernel, "PROMPT_FUSIONS", True)
+    fused = ops.fused_experts(x, mlp.experts, weights, chosen).float()
+    assert ((fused - separate).abs().max() / separate.abs().max()) < 1e-2
+    groups = sort_by_expert(chosen, 8, 128)
+    w = mlp.experts.gate_up_proj.data
+    want = ops.silu_and_mul(grouped_gemm_reference(x, w, groups, 2)).float()
+    for tile in (None, (256, 64, 8, 4)):
+        got = moe_kernel.grouped_gemm(x, w, groups, 2, tile=tile, silu_and_mul=True).float()
+        assert ((got - want).abs().max() / want.abs().max()) < 1e-2, tile
+    h = torch.randn(1200, 64, device=CUDA, generator=generator).bfloat16()
+    assert torch.equal(moe_kernel.sum_slots(h, 2),
+                       h.view(600, 2, 64).sum(dim=1, dtype=torch.float32).bfloat16())
+
+
 def test_prompt_tilings_fit_hopper_and_fall_back_elsewhere():
     """The prompt tilings' pipelines against the shared memory a program may take: they fit
     an H100/H200 (227 KiB), and where they would not (an A100's 163 KiB, a GeForce's 99 KiB)

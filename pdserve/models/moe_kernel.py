@@ -23,7 +23,7 @@ def _grouped_gemm(a, w, c, scale, w_scale, sorted_ids, block_expert, assignments
                   rows_per_a, stride_am, stride_we, stride_wn, stride_cm, stride_se, stride_sn,
                   scale_cols, row_blocks, HAS_SCALE: tl.constexpr, W_SCALES: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP_M: tl.constexpr):
+                  GROUP_M: tl.constexpr, SILU_AND_MUL: tl.constexpr = False):
     # Program order: GROUP_M 0 walks every row block for one column block, then the next
     # column block; GROUP_M g > 0 every column block of g row blocks, then the next g (rows
     # and an expert's weights each read while they are still in L2).
@@ -43,6 +43,10 @@ def _grouped_gemm(a, w, c, scale, w_scale, sorted_ids, block_expert, assignments
     ids = tl.load(sorted_ids + block * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = ids < assignments
     a_rows = a + (ids // rows_per_a)[:, None].to(tl.int64) * stride_am
+    if SILU_AND_MUL:   # N gate rows then N up rows; each program BLOCK_N of each
+        _gate_up_silu(a_rows, valid, w, c, expert, ids, col_block, N, K, stride_we, stride_wn,
+                      stride_cm, BLOCK_M, BLOCK_N, BLOCK_K)
+        return
     cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
     w_cols = w + expert.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -69,6 +73,53 @@ def _grouped_gemm(a, w, c, scale, w_scale, sorted_ids, block_expert, assignments
         acc = acc * tl.load(scale + ids, mask=valid, other=0.0).to(tl.float32)[:, None]
     out = c + ids[:, None].to(tl.int64) * stride_cm + cols[None, :]
     tl.store(out, acc.to(c.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
+
+
+@triton.jit
+def _gate_up_silu(a_rows, valid, w, c, expert, ids, col_block, N, K, stride_we, stride_wn,
+                  stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """BLOCK_N columns of SiLU(gate) * up for a block of rows (16-bit weights): each product
+    rounded as the grouped GEMM's output, then SiLU-and-mul in float32."""
+    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    gate_cols = w + expert.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn
+    up_cols = gate_cols + N.to(tl.int64) * stride_wn
+    gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for step in range(0, tl.cdiv(K, BLOCK_K)):
+        ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
+        x = tl.load(a_rows + ks[None, :], mask=valid[:, None] & (ks[None, :] < K), other=0.0)
+        w_mask = (ks[:, None] < K) & (cols[None, :] < N)
+        gate = tl.dot(x, tl.load(gate_cols + ks[:, None], mask=w_mask, other=0.0), gate)
+        up = tl.dot(x, tl.load(up_cols + ks[:, None], mask=w_mask, other=0.0), up)
+    gate = gate.to(c.dtype.element_ty).to(tl.float32)
+    up = up.to(c.dtype.element_ty).to(tl.float32)
+    out = c + ids[:, None].to(tl.int64) * stride_cm + cols[None, :]
+    tl.store(out, (gate / (1.0 + tl.exp(-gate)) * up).to(c.dtype.element_ty),
+             mask=valid[:, None] & (cols[None, :] < N))
+
+
+@triton.jit
+def _sum_slots(h, out, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """One token's rows of ``h`` (its top-k experts' outputs, already weighted) summed in
+    float32 in slot order, rounded once."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    total = tl.zeros([BLOCK], tl.float32)
+    for slot in tl.static_range(TOP_K):
+        total += tl.load(h + (token * TOP_K + slot) * hidden + cols, mask=cols < hidden,
+                         other=0.0).to(tl.float32)
+    tl.store(out + token * hidden + cols, total.to(out.dtype.element_ty), mask=cols < hidden)
+
+
+def sum_slots(h: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``h.view(tokens, top_k, -1).sum(1, dtype=float32).to(h.dtype)`` in one launch."""
+    rows, hidden = h.shape
+    out = torch.empty(rows // top_k, hidden, dtype=h.dtype, device=h.device)
+    block = min(1024, triton.next_power_of_2(hidden))
+    _sum_slots[(rows // top_k, triton.cdiv(hidden, block))](h.contiguous(), out, hidden,
+                                                            TOP_K=top_k, BLOCK=block)
+    return out
 
 
 @triton.jit
@@ -304,6 +355,11 @@ def fits(tile: tuple[int, ...], block_m: int, element_bytes: int, shared_memory:
     return (block_m * block_k + block_k * block_n) * element_bytes * stages <= shared_memory
 
 
+# Prompt steps with the prompt tilings: SiLU-and-mul in the gate/up GEMM and the sum over each
+# token's experts in one kernel (an experiment: bench/prefill.py --moe-prompt-fusions).
+PROMPT_FUSIONS = False
+
+
 def block_m_for(tokens: int, rows_per_expert: float = 0.0) -> int:
     """Rows per block: 16 for decode batches up to 64 tokens (less padding per expert), 64 for
     more, PROMPT_BLOCK_M where the experts average that many rows (``rows_per_expert``)."""
@@ -315,21 +371,28 @@ def block_m_for(tokens: int, rows_per_expert: float = 0.0) -> int:
 def grouped_gemm(a: torch.Tensor, weights: torch.Tensor, groups: SortedAssignments,
                  rows_per_a: int, scale: torch.Tensor | None = None,
                  w_scale: torch.Tensor | None = None, scale_cols: int = 0,
-                 tile: tuple[int, ...] | None = None) -> torch.Tensor:
+                 tile: tuple[int, ...] | None = None,
+                 silu_and_mul: bool = False) -> torch.Tensor:
     """For each assignment ``i``: row ``i // rows_per_a`` of ``a`` [rows, K] times its expert's
     ``weights`` [experts, N, K] transposed, times ``scale[i]`` if given; [assignments, N]. FP8
     ``weights`` come with ``w_scale`` [experts, N, column blocks] of ``scale_cols`` columns.
     ``tile``: (BLOCK_N, BLOCK_K, warps, stages[, GROUP_M: the program order, see
-    _grouped_gemm]) in place of the defaults."""
+    _grouped_gemm]) in place of the defaults. ``silu_and_mul`` (16-bit gate/up weights, N gate
+    rows then N up rows): SiLU(gate) * up, [assignments, N / 2], each program BLOCK_N / 2
+    columns of each."""
     assert a.stride(-1) == 1 and weights.stride(-1) == 1
+    assert not (silu_and_mul and (w_scale is not None or scale is not None))
     n, k = weights.shape[1], weights.shape[2]
-    out = torch.empty(groups.assignments, n, dtype=a.dtype, device=a.device)
+    width = n // 2 if silu_and_mul else n
+    out = torch.empty(groups.assignments, width, dtype=a.dtype, device=a.device)
     block_n, block_k = 64 if n <= 1024 else 128, 64
     launch, group_m = {}, 0
     if tile is not None:
         block_n, block_k = tile[0], tile[1]
         launch = {"num_warps": tile[2], "num_stages": tile[3]}
         group_m = tile[4] if len(tile) > 4 else 0
+    if silu_and_mul:   # BLOCK_N / 2 of the gate rows and as many of the up rows a program
+        n, block_n = width, block_n // 2
     row_blocks = groups.block_expert.numel()
     grid = (row_blocks * triton.cdiv(n, block_n),)
     fp8_w = w_scale is not None
@@ -342,7 +405,8 @@ def grouped_gemm(a: torch.Tensor, weights: torch.Tensor, groups: SortedAssignmen
                         weights.stride(1), out.stride(0), w_scale.stride(0) if fp8_w else 0,
                         w_scale.stride(1) if fp8_w else 0, scale_cols, row_blocks,
                         HAS_SCALE=scale is not None, W_SCALES=w_scales, BLOCK_M=groups.block_m,
-                        BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, **launch)
+                        BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+                        SILU_AND_MUL=silu_and_mul, **launch)
     return out
 
 
@@ -489,16 +553,22 @@ def fused_experts(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Tens
     prompt_tiles = tokens > 64 and block_m == PROMPT_BLOCK_M
 
     def gemm(a: torch.Tensor, name: str, rows_per_a: int,
-             scale: torch.Tensor | None = None) -> torch.Tensor:
+             scale: torch.Tensor | None = None, silu: bool = False) -> torch.Tensor:
         tile = PROMPT_TILES.get(name) if prompt_tiles else None
         if tile is not None and not fits(tile, block_m, a.element_size(),
                                          _shared_memory(a.device.index or 0)):
             tile = None   # the kernel's own tiling: a GPU with less shared memory than Hopper
         if not experts.quantized:
-            return grouped_gemm(a, getattr(experts, name), groups, rows_per_a, scale, tile=tile)
+            return grouped_gemm(a, getattr(experts, name), groups, rows_per_a, scale, tile=tile,
+                                silu_and_mul=silu)
         return grouped_gemm(a, getattr(experts, name), groups, rows_per_a, scale,
                             getattr(experts, name + "_scale"), experts.scale_cols[name], tile)
 
-    h = silu_and_mul(gemm(x.contiguous(), "gate_up_proj", top_k))
+    if PROMPT_FUSIONS and prompt_tiles and not experts.quantized:
+        h = gemm(x.contiguous(), "gate_up_proj", top_k, silu=True)
+    else:
+        h = silu_and_mul(gemm(x.contiguous(), "gate_up_proj", top_k))
     h = gemm(h, "down_proj", 1, weights.reshape(-1).contiguous())
+    if PROMPT_FUSIONS and prompt_tiles:
+        return sum_slots(h, top_k)
     return h.view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
