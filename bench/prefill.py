@@ -40,16 +40,16 @@ def main() -> None:
     parser.add_argument("--moe-prompt-block-m", type=int, default=0, metavar="M",
                         help="rows per block of the prompt steps' grouped GEMM "
                              "(moe_kernel.PROMPT_BLOCK_M; default its own)")
-    parser.add_argument("--moe-prompt-fusions", action="store_true",
-                        help="mixtures of experts: SiLU-and-mul in the gate/up GEMM and the sum "
-                             "over experts in one kernel (moe_kernel.PROMPT_FUSIONS)")
+    parser.add_argument("--no-moe-prompt-fusions", action="store_true",
+                        help="mixtures of experts: SiLU-and-mul and the sum over experts as "
+                             "separate kernels (moe_kernel.PROMPT_FUSIONS off)")
     parser.add_argument("--profile", action="store_true",
                         help="also each shape's GPU kernels by total time (torch profiler)")
     parser.add_argument("--out", default="bench/results/prefill.json")
     args = parser.parse_args()
-    if args.moe_prompt_fusions:
+    if args.no_moe_prompt_fusions:
         from pdserve.models import moe_kernel   # Triton: GPU machines only
-        moe_kernel.PROMPT_FUSIONS = True
+        moe_kernel.PROMPT_FUSIONS = False
     if args.moe_prompt_tiles or args.moe_prompt_block_m:
         from pdserve.models import moe_kernel   # Triton: GPU machines only
         if args.moe_prompt_tiles == "none":   # the kernel's own tiling
@@ -99,7 +99,7 @@ def main() -> None:
         "model": args.model, "attention_backend": runner.backend_name,
         "layer_kernels": runner.model.ops.name, "matmul_peak_flops_per_s": peak,
         "moe_prompt_tiles": args.moe_prompt_tiles, "moe_prompt_block_m": args.moe_prompt_block_m,
-        "moe_prompt_fusions": args.moe_prompt_fusions,
+        "moe_prompt_fusions": not args.no_moe_prompt_fusions,
         "results": rows})
 
 

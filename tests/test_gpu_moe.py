@@ -43,9 +43,9 @@ def test_grouped_gemm_kernel_matches_its_torch_statement(tokens, experts, top_k)
 
 
 def test_prompt_fusions_compute_what_the_separate_kernels_do(monkeypatch):
-    """moe_kernel.PROMPT_FUSIONS: SiLU-and-mul in the gate/up GEMM's epilogue and the sum over
-    each token's experts in one kernel, against the separate kernels (a prompt of 600 tokens:
-    150 rows an expert, the prompt tiling)."""
+    """moe_kernel.PROMPT_FUSIONS (the default): SiLU-and-mul in the gate/up GEMM's epilogue and
+    the sum over each token's experts in one kernel, against the separate kernels (a prompt of
+    600 tokens: 150 rows an expert, the prompt tiling)."""
     from pdserve.models import moe_kernel
 
     runner = _moe_runner()
@@ -56,9 +56,9 @@ def test_prompt_fusions_compute_what_the_separate_kernels_do(monkeypatch):
     weights = torch.rand(600, 2, device=CUDA, generator=generator)
     chosen = _chosen(600, 8, 2, seed=5).to(CUDA)
     ops = runner.model.ops
-    separate = ops.fused_experts(x, mlp.experts, weights, chosen).float()
-    monkeypatch.setattr(moe_kernel, "PROMPT_FUSIONS", True)
     fused = ops.fused_experts(x, mlp.experts, weights, chosen).float()
+    monkeypatch.setattr(moe_kernel, "PROMPT_FUSIONS", False)
+    separate = ops.fused_experts(x, mlp.experts, weights, chosen).float()
     assert ((fused - separate).abs().max() / separate.abs().max()) < 1e-2
     groups = sort_by_expert(chosen, 8, 128)
     w = mlp.experts.gate_up_proj.data

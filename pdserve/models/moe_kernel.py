@@ -356,8 +356,8 @@ def fits(tile: tuple[int, ...], block_m: int, element_bytes: int, shared_memory:
 
 
 # Prompt steps with the prompt tilings: SiLU-and-mul in the gate/up GEMM and the sum over each
-# token's experts in one kernel (an experiment: bench/prefill.py --moe-prompt-fusions).
-PROMPT_FUSIONS = False
+# token's experts in one kernel (3-4% of a step; bench/prefill.py --no-moe-prompt-fusions).
+PROMPT_FUSIONS = True
 
 
 def block_m_for(tokens: int, rows_per_expert: float = 0.0) -> int:
