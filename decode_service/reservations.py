@@ -43,8 +43,8 @@ log = logging.getLogger(__name__)
 # A prompt prefilled here whose first SHARED_PREFIX_TOKENS another prompt still being computed
 # here shares (and the cache does not have yet) waits for that one's KV to be cached, rather
 # than computing the prefix again: while prompts already handed to the loop fill at least
-# ``defer_backlog_tokens`` (its step), at most SHARED_PREFIX_WAIT_S. A burst's prompts all
-# arrive before any is cached; under light load a prompt never waits.
+# ``defer_backlog_tokens`` (the server's: two steps), at most SHARED_PREFIX_WAIT_S. A burst's
+# prompts all arrive before any is cached; under light load a prompt never waits.
 SHARED_PREFIX_TOKENS = 64
 SHARED_PREFIX_WAIT_S = 5.0
 

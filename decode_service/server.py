@@ -202,7 +202,8 @@ async def serve(config: DecodeConfig) -> None:
                              unseen_writes_possible=writes_unseen(engines),
                              metrics=metrics,
                              prefix_cache=not config.disable_local_prefix_cache,
-                             defer_backlog_tokens=config.prefill_here_step_tokens)
+                             # one step running and a full one waiting before any prompt defers
+                             defer_backlog_tokens=2 * config.prefill_here_step_tokens)
     metrics.watch_pool(runner.pool.allocator, lambda: table.held_pages + table.cached_pages)
     metrics.cache_pages.set_function(lambda: table.cached_pages)
     gpu = gpu_uuid(runner.device)   # yields only while a prefill step runs on this GPU
