@@ -37,6 +37,26 @@ def _jobs() -> list[tuple[list[int], SamplingParams]]:
     return jobs
 
 
+async def _take_all(outbox: Outbox, outputs: dict[str, list[int]], finished: set[str],
+                    count: int, table: ReservationTable) -> None:
+    """Tokens from ``outbox`` into ``outputs`` until ``count`` requests have finished (a failed
+    one gets its status's name), then until the last step's pages are back."""
+    while len(finished) < count:
+        request_ids, token_ids, finals = await asyncio.wait_for(outbox.take(), 60)
+        for request_id, token_id in zip(request_ids, token_ids):
+            outputs[request_id].append(token_id)
+        for final in finals:
+            if final.error is None:
+                outputs[final.request_id] += final.token_ids
+            else:
+                outputs[final.request_id] = [final.error[0].name]
+            finished.add(final.request_id)
+    for _ in range(100):   # the last step collected: its requests' pages come back
+        if table.held_pages == 0:
+            break
+        await asyncio.sleep(0.02)
+
+
 async def _decode_all(runner, jobs, overlap: bool, here: bool = False, all_here: bool = False,
                       prefix_cache: bool = False, step_tokens: int = 4096,
                       concurrent: bool = False, yield_s: float = 0.0, events: list | None = None,
@@ -78,20 +98,7 @@ async def _decode_all(runner, jobs, overlap: bool, here: bool = False, all_here:
                 loop.add(DecodeRequest(request_id, res, params, prompt, [first], outbox))
             for _ in range(i % 3):   # later requests join a running batch
                 await asyncio.sleep(0.01)
-        while len(finished) < len(jobs):
-            request_ids, token_ids, finals = await asyncio.wait_for(outbox.take(), 60)
-            for request_id, token_id in zip(request_ids, token_ids):
-                outputs[request_id].append(token_id)
-            for final in finals:
-                if final.error is None:
-                    outputs[final.request_id] += final.token_ids
-                else:
-                    outputs[final.request_id] = [final.error[0].name]
-                finished.add(final.request_id)
-        for _ in range(100):   # the last step collected: its requests' pages come back
-            if table.held_pages == 0:
-                break
-            await asyncio.sleep(0.02)
+        await _take_all(outbox, outputs, finished, len(jobs), table)
     finally:
         task.cancel()
     return outputs, loop, table
@@ -203,17 +210,7 @@ async def _prompt_during_a_prompt_step(runner, yield_s: float
     finished: set[str] = set()
     try:
         loop.add(reqs["a"])
-        while len(finished) < len(prompts):
-            request_ids, token_ids, finals = await asyncio.wait_for(outbox.take(), 60)
-            for request_id, token_id in zip(request_ids, token_ids):
-                outputs[request_id].append(token_id)
-            for final in finals:
-                outputs[final.request_id] += final.token_ids
-                finished.add(final.request_id)
-        for _ in range(100):
-            if table.held_pages == 0:
-                break
-            await asyncio.sleep(0.02)
+        await _take_all(outbox, outputs, finished, len(prompts), table)
     finally:
         task.cancel()
     return events, outputs, prompts, loop, table
@@ -276,17 +273,7 @@ async def _burst_sharing_a_prefix(runner, defer_backlog_tokens: int, cancel: str
             table.release(cancel)              # as the router's Release does
             finished.add(cancel)
         task = asyncio.create_task(loop.run())   # only now is anything computed
-        while len(finished) < len(prompts):
-            request_ids, token_ids, finals = await asyncio.wait_for(outbox.take(), 60)
-            for request_id, token_id in zip(request_ids, token_ids):
-                outputs[request_id].append(token_id)
-            for final in finals:
-                outputs[final.request_id] += final.token_ids
-                finished.add(final.request_id)
-        for _ in range(100):
-            if table.held_pages == 0:
-                break
-            await asyncio.sleep(0.02)
+        await _take_all(outbox, outputs, finished, len(prompts), table)
     finally:
         if task is not None:
             task.cancel()
