@@ -242,6 +242,9 @@ class RouterConfig(ModelSource):
     decode_discovery: list[str] = setting([], "as --prefill-discovery, for decode workers",
                                           metavar="SRCS")
     health_interval_s: float = setting(1.0, "how often each worker is health-checked")
+    keepalive_s: float = setting(10.0, "ping a worker's connection after this long without a "
+                                 "word from it, and close it when a ping goes unanswered as "
+                                 "long: a frozen worker's requests then go elsewhere")
     discovery_interval_s: float = setting(5.0, "how often dns: sources are re-resolved")
     default_max_new_tokens: int = setting(16, "tokens generated when a request does not say")
     max_stop_strings: int = setting(16, "most stop strings a request may carry")

@@ -46,28 +46,31 @@ RECONNECT_OPTIONS = [
 # closes the connection when any ping (its own, or gRPC's bandwidth probes, whose default wait
 # is a minute) goes unanswered for KEEPALIVE_S; every call on it then fails UNAVAILABLE, and the
 # router moves its requests as it does for a worker that died. Pings are answered by gRPC's own
-# threads, not by the Python that a busy step holds.
+# threads, not by the Python that a busy step holds. The router's --keepalive-s sets its own.
 KEEPALIVE_S = 10
-KEEPALIVE_OPTIONS = [
-    ("grpc.keepalive_time_ms", KEEPALIVE_S * 1000),
-    ("grpc.keepalive_timeout_ms", KEEPALIVE_S * 1000),
-    ("grpc.http2.ping_timeout_ms", KEEPALIVE_S * 1000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-]
+
+
+def keepalive_options(seconds: float) -> list[tuple[str, int]]:
+    ms = int(seconds * 1000)
+    return [("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", ms),
+            ("grpc.http2.ping_timeout_ms", ms), ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0)]
+
+
 # What a server lets those pings through with (by default it takes pings without data more often
 # than every 5 minutes as abuse, and closes the connection).
 ACCEPT_KEEPALIVE_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_S * 1000 // 2),
-    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.http2.max_ping_strikes", 0),   # 0: pings more often than that are borne too
 ]
 
 
-def channel(address: str, identity: Identity | None = None) -> grpc.aio.Channel:
+def channel(address: str, identity: Identity | None = None,
+            keepalive_s: float = KEEPALIVE_S) -> grpc.aio.Channel:
     """A channel to another pdserve process, with ``identity``'s credentials if given."""
     return (identity or Identity()).dial(
-        address, [*CHANNEL_OPTIONS, *RECONNECT_OPTIONS, *KEEPALIVE_OPTIONS])
+        address, [*CHANNEL_OPTIONS, *RECONNECT_OPTIONS, *keepalive_options(keepalive_s)])
 
 
 class MalformedRequest:

@@ -138,6 +138,9 @@ def check_port(host: str, port: int, flag: str) -> None:
 
 
 def check_router(config: RouterConfig) -> None:
+    if config.keepalive_s < 1:
+        raise ConfigError(f"--keepalive-s {config.keepalive_s}: give 1 second or more (shorter "
+                          "pings cost the workers more than they find)")
     if config.stream_interval < 1:
         raise ConfigError(f"--stream-interval {config.stream_interval}: give the tokens per "
                           "streamed message, 1 or more")

@@ -125,7 +125,7 @@ async def serve(config: RouterConfig) -> None:
                          identity=identity, policy=config.router_policy,
                          max_imbalance_tokens=config.cache_aware_max_imbalance_tokens,
                          same_gpu_max_imbalance_tokens=config.same_gpu_max_imbalance_tokens,
-                         pace=pace)
+                         pace=pace, keepalive_s=config.keepalive_s)
     generation = Generation(config, model, tokenizer, workers, metrics)
     if not workers.has_prefill_pool:
         log.info("router: no prefill workers (--prefill-addrs, --prefill-discovery): decode "

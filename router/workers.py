@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.errors import NoHealthyWorker
-from pdserve.grpc_util import channel
+from pdserve.grpc_util import KEEPALIVE_S, channel
 from pdserve.metrics import RouterMetrics
 from pdserve.models.config import ModelConfig
 from pdserve.security import Identity
@@ -82,13 +82,15 @@ class WorkerPool:
                  metrics: RouterMetrics | None = None, discovery_interval_s: float = 5.0,
                  resolver: Resolver = resolve_dns, identity: Identity | None = None,
                  policy: str = "round_robin", max_imbalance_tokens: int = 16384,
-                 same_gpu_max_imbalance_tokens: int = -1, pace: Pace | None = None) -> None:
+                 same_gpu_max_imbalance_tokens: int = -1, pace: Pace | None = None,
+                 keepalive_s: float = KEEPALIVE_S) -> None:
         self.model = model
         self.pace = pace
         self.policies = {role: make_policy(policy, role, max_imbalance_tokens)
                          for role in ("prefill", "decode")}
         self.same_gpu_max_imbalance_tokens = same_gpu_max_imbalance_tokens
         self.identity = identity
+        self.keepalive_s = keepalive_s
         self.interval_s = interval_s
         self.discovery_interval_s = discovery_interval_s
         self.metrics = metrics
@@ -102,7 +104,7 @@ class WorkerPool:
                     self._add(role, spec, spec)
 
     def _add(self, role: str, address: str, source: str) -> None:
-        ch = channel(address, self.identity)
+        ch = channel(address, self.identity, self.keepalive_s)
         worker = Worker(role, address, source, ch, STUBS[role](ch))
         if role == "decode":
             worker.decode_stream = DecodeStream(worker.stub, address, self.pace)

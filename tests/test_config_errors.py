@@ -46,6 +46,7 @@ def _one_line_error(result: subprocess.CompletedProcess, *words: str) -> None:
     (["--prefill", "1", "--prefill-devices", "cpu,cpu"], ["--prefill 1", "no worker"]),
     (["--chunk-size", "-1"], ["--chunk-size -1", "0 (auto)"]),
     (["--stream-interval", "0"], ["--stream-interval 0", "1 or more"]),
+    (["--keepalive-s", "0.5"], ["--keepalive-s 0.5", "1 second or more"]),
     (["--prefill-here-step-tokens", "0"], ["--prefill-here-step-tokens 0", "at least 1"]),
     (["--concurrent-prompt-steps", "--decode-tensor-parallel-size", "2"],
      ["--concurrent-prompt-steps", "--tensor-parallel-size 2"]),

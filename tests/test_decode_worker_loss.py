@@ -21,7 +21,7 @@ from protos.pdserve.v1 import (decode_pb2, decode_pb2_grpc, generate_pb2, prefil
 def test_stream_survives_losing_its_decode_worker(tiny_runner, fault):
     """``killed``: SIGKILL, the connection drops at once. ``frozen``: SIGSTOP, the connection
     stays open and silent until the router's keepalive gives up on it."""
-    cluster = start_roles(["prefill", "decode", "decode"])
+    cluster = start_roles(["prefill", "decode", "decode"], router_flags=["--keepalive-s", "3"])
     lost = None
     try:
         prompt = list(f"resume me elsewhere ({fault})".encode())

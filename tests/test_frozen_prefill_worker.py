@@ -18,7 +18,9 @@ from protos.pdserve.v1 import generate_pb2
 
 def test_a_request_survives_a_frozen_prefill_worker(tiny_runner):
     # Four prompt tokens a step: the prompt stays on its prefill worker long enough to be seen.
-    cluster = start_roles(["prefill", "prefill", "decode"], prefill_flags=["--chunk-size", "4"])
+    # The router gives a silent worker up after 3 s without a word and 3 s more for a ping.
+    cluster = start_roles(["prefill", "prefill", "decode"], prefill_flags=["--chunk-size", "4"],
+                          router_flags=["--keepalive-s", "3"])
     frozen = None
     try:
         prompt = [1 + (7 * k) % 250 for k in range(1200)]
