@@ -15,6 +15,9 @@ KV_TRANSFER_ENGINES = ("auto", "cuda_ipc", "nixl", "grpc")
 # LOF_AGING_S goes before any longer output (a stream of long requests never starves a short one).
 SCHEDULE_POLICIES = ("fcfs", "lof")
 LOF_AGING_S = 5.0
+# How long a connection to another pdserve process may stay silent before a ping, and a ping
+# unanswered before the connection closes (grpc_util.channel; the router's --keepalive-s).
+KEEPALIVE_S = 10.0
 
 
 def setting(default: Any, help: str, **argparse_options: Any) -> Any:
@@ -242,9 +245,10 @@ class RouterConfig(ModelSource):
     decode_discovery: list[str] = setting([], "as --prefill-discovery, for decode workers",
                                           metavar="SRCS")
     health_interval_s: float = setting(1.0, "how often each worker is health-checked")
-    keepalive_s: float = setting(10.0, "ping a worker's connection after this long without a "
-                                 "word from it, and close it when a ping goes unanswered as "
-                                 "long: a frozen worker's requests then go elsewhere")
+    keepalive_s: float = setting(KEEPALIVE_S, "ping a worker's connection after this long "
+                                 "without a word from it, and close it when a ping goes "
+                                 "unanswered as long: a frozen worker's requests then go "
+                                 "elsewhere")
     discovery_interval_s: float = setting(5.0, "how often dns: sources are re-resolved")
     default_max_new_tokens: int = setting(16, "tokens generated when a request does not say")
     max_stop_strings: int = setting(16, "most stop strings a request may carry")

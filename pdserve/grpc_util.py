@@ -11,6 +11,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve.config import KEEPALIVE_S
 from pdserve.errors import InvalidRequest, PdserveError
 from pdserve.security import Identity
 
@@ -47,7 +48,6 @@ RECONNECT_OPTIONS = [
 # is a minute) goes unanswered for KEEPALIVE_S; every call on it then fails UNAVAILABLE, and the
 # router moves its requests as it does for a worker that died. Pings are answered by gRPC's own
 # threads, not by the Python that a busy step holds. The router's --keepalive-s sets its own.
-KEEPALIVE_S = 10
 
 
 def keepalive_options(seconds: float) -> list[tuple[str, int]]:
@@ -61,7 +61,7 @@ def keepalive_options(seconds: float) -> list[tuple[str, int]]:
 # than every 5 minutes as abuse, and closes the connection).
 ACCEPT_KEEPALIVE_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_S * 1000 // 2),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", int(KEEPALIVE_S * 1000 // 2)),
     ("grpc.http2.max_ping_strikes", 0),   # 0: pings more often than that are borne too
 ]
 

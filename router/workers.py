@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.config import KEEPALIVE_S
 from pdserve.errors import NoHealthyWorker
-from pdserve.grpc_util import KEEPALIVE_S, channel
+from pdserve.grpc_util import channel
 from pdserve.metrics import RouterMetrics
 from pdserve.models.config import ModelConfig
 from pdserve.security import Identity
