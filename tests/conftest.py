@@ -227,6 +227,11 @@ def register_small_moe() -> str:
     PRESETS.setdefault("small-moe", dataclasses.replace(
         PRESETS["small"], name="small-moe", family="qwen3_moe", num_experts=8,
         num_experts_per_tok=2, moe_intermediate_size=256, norm_topk_prob=True))
+    # Mixtral's routing: weights kept in float32, no per-head norms.
+    PRESETS.setdefault("small-mixtral", dataclasses.replace(
+        PRESETS["small"], name="small-mixtral", family="mixtral", num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=256, norm_topk_prob=True,
+        float32_routing_weights=True, qk_norm=False))
     return "small-moe"
 
 

@@ -83,14 +83,15 @@ def test_prompt_tilings_fit_hopper_and_fall_back_elsewhere():
     assert _shared_memory(0) > 0
 
 
-def _moe_runner() -> ModelRunner:
+def _moe_runner(model: str = "small-moe") -> ModelRunner:
     register_small_moe()
-    return ModelRunner(EngineConfig(model="small-moe", page_size=16, num_pages=256,
+    return ModelRunner(EngineConfig(model=model, page_size=16, num_pages=256,
                                     cuda_graph_max_bs=8), "decode")
 
 
-def test_fused_experts_match_the_reference_loop_and_run_in_graphs():
-    runner = _moe_runner()
+@pytest.mark.parametrize("model", ["small-moe", "small-mixtral"])
+def test_fused_experts_match_the_reference_loop_and_run_in_graphs(model):
+    runner = _moe_runner(model)
     assert runner.model.ops.has_fused_experts and runner.graphs is not None
     rng = random.Random(4)
     for length in (3, 40, 130, 600):   # 600: 150 rows an expert, the prompt tiling
