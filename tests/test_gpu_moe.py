@@ -89,9 +89,8 @@ def _moe_runner(model: str = "small-moe") -> ModelRunner:
                                     cuda_graph_max_bs=8), "decode")
 
 
-@pytest.mark.parametrize("model", ["small-moe", "small-mixtral"])
-def test_fused_experts_match_the_reference_loop_and_run_in_graphs(model):
-    runner = _moe_runner(model)
+def test_fused_experts_match_the_reference_loop_and_run_in_graphs():
+    runner = _moe_runner()
     assert runner.model.ops.has_fused_experts and runner.graphs is not None
     rng = random.Random(4)
     for length in (3, 40, 130, 600):   # 600: 150 rows an expert, the prompt tiling
@@ -257,3 +256,35 @@ def test_unsorted_experts_compute_what_the_sorted_ones_do(tokens, top_k, fp8_col
         moe_kernel.DIRECT_MAX_ASSIGNMENTS = limit
     for want in wants:
         assert ((direct.float() - want.float()).abs().max() / want.float().abs().max()) < 2e-2
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 5, 40, 600])
+def test_a_mixtral_block_on_the_kernels_routes_and_sums_as_the_loop(tokens):
+    """Mixtral's block (top 2 of 8, routing weights kept in float32) on the CUDA kernels and on
+    the reference loop, from the same router logits: the same experts, weights within float32
+    rounding, outputs within bf16 rounding (the direct kernels at 1 token, sorted from 2)."""
+    from pdserve.models.llama import ForwardContext
+
+    runner = _moe_runner("small-mixtral")
+    block = runner.model.layers[0].mlp
+    assert block.float32_routing_weights
+    generator = torch.Generator(device=CUDA).manual_seed(tokens)
+    x = torch.randn(tokens, block.gate.weight.shape[1], device=CUDA,
+                    generator=generator).bfloat16()
+    kernels = ForwardContext(None, None, runner.model.ops, None)   # type: ignore[arg-type]
+    loop = ForwardContext(None, None, TorchOps(), None)            # type: ignore[arg-type]
+    (weights, chosen), (want_weights, want_chosen) = block.route(x, kernels), block.route(x, loop)
+    assert weights.dtype == want_weights.dtype == torch.float32
+    assert torch.equal(chosen.long().sort(dim=1).values, want_chosen.sort(dim=1).values)
+    torch.testing.assert_close(weights.sort(dim=1).values, want_weights.sort(dim=1).values,
+                               rtol=1e-5, atol=1e-6)
+    out, want = block(x, kernels).float(), block(x, loop).float()
+    assert (out - want).abs().max() / want.abs().max() < 2e-2
+
+
+def test_the_direct_kernels_take_steps_that_read_few_experts_twice():
+    from pdserve.models.moe_kernel import takes_direct
+
+    assert [t for t in range(1, 9) if takes_direct(t, 8, 128)] == [1, 2, 3, 4]   # qwen3-moe
+    assert [t for t in range(1, 9) if takes_direct(t, 2, 8)] == [1]               # mixtral
+    assert not takes_direct(0, 8, 128)
