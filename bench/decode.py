@@ -104,6 +104,7 @@ def main() -> None:
                         help="FP8 layers quantize their own input (for comparison)")
     parser.add_argument("--moe-direct-max", type=int, default=-1, metavar="N",
                         help="mixtures of experts: steps of up to N assignments skip the sort "
+                             "where few experts would be read twice "
                              "(moe_kernel.DIRECT_MAX_ASSIGNMENTS; 0 never; default its own)")
     parser.add_argument("--moe-direct-tiles", default="", metavar="NAME=N,K,W ...",
                         help="the few-token expert kernels' tilings (moe_kernel.DIRECT_TILES), "

@@ -218,8 +218,9 @@ def generate(stub: generate_pb2_grpc.GenerationServiceStub, timeout: float = 60,
 
 
 def register_small_moe() -> str:
-    """A preset for the GPU tests: ``small``'s attention (head_dim 128: FA3, FlashInfer and
-    graphs) with 8 experts of 256; its name."""
+    """Presets for the GPU tests: ``small``'s attention (head_dim 128: FA3, FlashInfer and
+    graphs) with 8 experts of 256, as a Qwen3-MoE (``small-moe``, the name returned) and as a
+    Mixtral (``small-mixtral``)."""
     import dataclasses
 
     from pdserve.models.presets import PRESETS
