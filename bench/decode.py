@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -91,6 +92,28 @@ def tp_shard(preset: str, ways: int) -> str:
     return name
 
 
+def weight_reads(model: torch.nn.Module) -> tuple[int, int, int, Callable[[int], float]]:
+    """(the model's weight bytes, those of them a step does not read, its experts' bytes, the
+    weight bytes a step of ``bs`` tokens reads). A step reads one row of the embedding table:
+    the whole table only where it is also the LM head (tied). A mixture of experts reads only
+    the experts its tokens chose: of E experts with top-k routing, bs tokens touch
+    E * (1 - (1 - k/E)^bs) of them on average (uniform routing, as random weights give)."""
+    cfg = model.config
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    table = model.embed_tokens.weight
+    unread_bytes = 0 if cfg.tie_word_embeddings else table.numel() * table.element_size()
+    experts = [m for m in model.modules() if type(m).__name__ == "Experts"]
+    expert_bytes = sum(p.numel() * p.element_size() for m in experts for p in m.parameters())
+    dense_bytes = model_bytes - unread_bytes - expert_bytes
+
+    def read_bytes(bs: int) -> float:
+        if not experts:
+            return dense_bytes
+        e, k = cfg.num_experts, cfg.num_experts_per_tok
+        return dense_bytes + expert_bytes * (1 - (1 - k / e) ** bs)
+    return model_bytes, unread_bytes, expert_bytes, read_bytes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama3-8b")
@@ -158,21 +181,7 @@ def main() -> None:
                                       kv_cache_dtype=args.kv_cache_dtype,
                                       attention_backend=args.attention_backend), "decode")
     cfg = runner.model_config
-    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    if cfg.tie_word_embeddings:  # the embedding table is read as the LM head too
-        weight_bytes += runner.model.embed_tokens.weight.numel() * 2
-    # A mixture of experts reads only the experts its tokens chose: of E experts with top-k
-    # routing, bs tokens touch E * (1 - (1 - k/E)^bs) of them on average (uniform routing, as
-    # random weights give).
-    experts = [m for m in runner.model.modules() if type(m).__name__ == "Experts"]
-    expert_bytes = sum(p.numel() * p.element_size() for m in experts for p in m.parameters())
-    weight_bytes -= expert_bytes
-
-    def read_bytes(bs: int) -> float:
-        if not experts:
-            return weight_bytes
-        e, k = cfg.num_experts, cfg.num_experts_per_tok
-        return weight_bytes + expert_bytes * (1 - (1 - k / e) ** bs)
+    model_bytes, unread_bytes, expert_bytes, read_bytes = weight_reads(runner.model)
     kv_bytes_per_token = runner.pool.bytes_per_page // args.page_size
     bandwidth = copy_bandwidth_bytes_per_s()
     pages = runner.pool.allocator.alloc(max(sizes) * pages_per_seq)
@@ -213,7 +222,8 @@ def main() -> None:
         "fused_rope_kv": runner.model.fuse_rope_kv, "triton_gemv": runner.model.use_gemv,
         "fused_fp8_quant": runner.model.fuse_fp8_quant, "moe_direct_max": args.moe_direct_max,
         "moe_direct_tiles": args.moe_direct_tiles,
-        "weight_bytes": weight_bytes + expert_bytes, "expert_bytes": expert_bytes,
+        "weight_bytes": model_bytes, "expert_bytes": expert_bytes,
+        "unread_embedding_bytes": unread_bytes,
         "copy_bandwidth_bytes_per_s": bandwidth,
         "bandwidth_floor_bs1_ms": round(floor_ms + kv_bytes_per_token * (args.context + 1)
                                         / bandwidth * 1e3, 4),

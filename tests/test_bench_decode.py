@@ -61,3 +61,27 @@ def test_a_split_that_does_not_divide_is_one_line():
                              text=True, timeout=120)
         assert run.returncode == 2
         assert message in run.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-moe"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_step_reads_the_embedding_table_only_as_a_tied_lm_head(model, tied, presets_restored):
+    """The decode bench's floor: every weight but the embedding table (one row of it a
+    sequence), unless the table is the LM head too; of the experts, the share a batch's
+    uniform routing is expected to touch."""
+    import dataclasses
+
+    name = f"{model}-tied" if tied else model
+    PRESETS[name] = dataclasses.replace(PRESETS[model], name=name, tie_word_embeddings=tied)
+    runner = ModelRunner(EngineConfig(model=name, device="cpu", num_pages=8), "decode")
+    net = runner.model
+    table = net.embed_tokens.weight.numel() * net.embed_tokens.weight.element_size()
+    model_bytes, unread, experts, read = _bench().weight_reads(net)
+    assert model_bytes == sum(p.numel() * p.element_size() for p in net.parameters())
+    assert unread == (0 if tied else table)
+    assert (experts > 0) == (model == "tiny-moe")
+    cfg = net.config
+    for bs in (1, 2, 64):
+        share = 1 - (1 - cfg.num_experts_per_tok / cfg.num_experts) ** bs if experts else 0
+        assert read(bs) == pytest.approx(model_bytes - unread - experts + experts * share)
+    assert read(1) < model_bytes - unread or not experts
