@@ -4,7 +4,8 @@
 
 Each sequence holds ``--context`` tokens of KV; a step feeds one token per sequence. MBU is
 (weight bytes + KV bytes read) / step time, against the measured device copy bandwidth; of a
-mixture of experts only the experts its tokens choose count (their expected share).
+mixture of experts only the experts its tokens choose count (their expected share), and of the
+embedding table nothing unless it is the LM head too (``weight_reads``).
 
 ``--tp-shard N`` times what one GPU of an N-way tensor-parallel decode would run: a preset with
 its query and KV heads and its MLP width divided by N (embedding and LM head whole, as when
