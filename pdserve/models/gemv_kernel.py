@@ -14,12 +14,12 @@ import triton.language as tl
 
 
 @triton.jit
-def _gemv(x, w, bias, y, N, K, w_stride, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+def _gemv(x, w, bias, y, N, K: tl.constexpr, w_stride, HAS_BIAS: tl.constexpr,
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = w + rows[:, None].to(tl.int64) * w_stride
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for start in range(0, K, BLOCK_K):
+    for start in tl.static_range(0, K, BLOCK_K):   # unrolled: every step's loads at once
         cols = start + tl.arange(0, BLOCK_K)
         if EVEN:
             weights = tl.load(w_rows + cols[None, :])

@@ -280,7 +280,8 @@ def route_top_k(logits: torch.Tensor, top_k: int, renormalize: bool,
     if tokens:
         _route[(tokens,)](logits, weights, chosen, logits.stride(0), EXPERTS=experts,
                           EXPERTS_P=triton.next_power_of_2(experts), TOP_K=top_k,
-                          TOP_K_P=triton.next_power_of_2(top_k), RENORMALIZE=renormalize)
+                          TOP_K_P=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
+                          num_warps=1)   # its reductions in one warp's shuffles: 2.1 us, not 3.2
     return weights, chosen
 
 
@@ -411,13 +412,13 @@ def grouped_gemm(a: torch.Tensor, weights: torch.Tensor, groups: SortedAssignmen
 
 
 @triton.jit
-def _row_products(x_row, w_rows, K, w_scales, scale_cols, W_SCALES: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _row_products(x_row, w_rows, K: tl.constexpr, w_scales, scale_cols,
+                  W_SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """``BLOCK_N`` weight rows (``w_rows`` their starts; FP8 with their scales' starts
     ``w_scales`` where W_SCALES is 1: one a row, or 2: one a row and ``scale_cols`` columns, a
     multiple of BLOCK_K) times one activation row, in float32."""
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for start in range(0, K, BLOCK_K):
+    for start in tl.static_range(0, K, BLOCK_K):   # unrolled: every step's loads at once
         ks = start + tl.arange(0, BLOCK_K)
         values = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
         w = tl.load(w_rows[:, None] + ks[None, :], mask=ks[None, :] < K, other=0.0)
@@ -432,8 +433,8 @@ def _row_products(x_row, w_rows, K, w_scales, scale_cols, W_SCALES: tl.constexpr
 
 
 @triton.jit
-def _direct_gate_up(x, w, h, chosen, w_scale, inter, K, top_k, stride_xm, stride_we,
-                    stride_wn, stride_hm, stride_se, stride_sn, scale_cols,
+def _direct_gate_up(x, w, h, chosen, w_scale, inter, K: tl.constexpr, top_k, stride_xm,
+                    stride_we, stride_wn, stride_hm, stride_se, stride_sn, scale_cols,
                     W_SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     assignment = tl.program_id(0)
     expert = tl.load(chosen + assignment).to(tl.int64)
@@ -455,25 +456,37 @@ def _direct_gate_up(x, w, h, chosen, w_scale, inter, K, top_k, stride_xm, stride
 
 
 @triton.jit
-def _direct_down_sum(h, w, out, chosen, weights, hidden, inter, stride_hm, stride_we,
-                     stride_wn, stride_om, w_scale, stride_se, stride_sn, scale_cols,
-                     TOP_K: tl.constexpr, W_SCALES: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+def _direct_down_sum(h, w, out, chosen, weights, hidden, stride_hm, stride_we, stride_wn,
+                     stride_om, w_scale, stride_se, stride_sn, scale_cols, INTER: tl.constexpr,
+                     TOP_K: tl.constexpr, TOP_K_P: tl.constexpr, W_SCALES: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """BLOCK_N output columns of one token: each of its experts' down rows times its SiLU-and-mul
+    row, weighted, rounded and summed. Every expert's rows are loaded in one tile, reduced once:
+    a reduction per expert would wait for each expert's loads in turn."""
     token = tl.program_id(0).to(tl.int64)
-    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(rows, hidden - 1)
-    total = tl.zeros([BLOCK_N], tl.float32)
-    for slot in tl.static_range(TOP_K):   # unrolled: every expert's rows read at once
-        assignment = token * TOP_K + slot
-        expert = tl.load(chosen + assignment).to(tl.int64)
-        y = _row_products(h + assignment * stride_hm,
-                          w + expert * stride_we + rows.to(tl.int64) * stride_wn, inter,
-                          w_scale + expert * stride_se + rows * stride_sn, scale_cols,
-                          W_SCALES, BLOCK_N, BLOCK_K)
-        # Weighted and rounded as the grouped GEMM's output, summed in float32 as
-        # fused_experts sums them.
-        y = y * tl.load(weights + assignment).to(tl.float32)
-        total += y.to(out.dtype.element_ty).to(tl.float32)
+    rows = tl.minimum(tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N), hidden - 1)
+    slots = tl.arange(0, TOP_K_P)
+    live = slots < TOP_K
+    assignment = token * TOP_K + slots
+    expert = tl.load(chosen + assignment, mask=live, other=0).to(tl.int64)
+    w_rows = (w + expert[:, None] * stride_we + rows[None, :].to(tl.int64) * stride_wn)[:, :, None]
+    h_rows = (h + assignment * stride_hm)[:, None, None]
+    s_rows = w_scale + expert[:, None] * stride_se + rows[None, :] * stride_sn
+    ks = tl.arange(0, BLOCK_K)[None, None, :]
+    acc = tl.zeros([TOP_K_P, BLOCK_N, BLOCK_K], tl.float32)
+    for start in tl.static_range(0, INTER, BLOCK_K):   # unrolled: every step's loads at once
+        mask = live[:, None, None] & (start + ks < INTER)
+        y = tl.load(w_rows + start + ks, mask=mask, other=0.0).to(tl.float32)
+        if W_SCALES == 2:
+            y = y * tl.load(s_rows + start // scale_cols, mask=live[:, None], other=0.0)[:, :, None]
+        acc += y * tl.load(h_rows + start + ks, mask=mask, other=0.0).to(tl.float32)
+    y = tl.sum(acc, axis=2)
+    if W_SCALES == 1:
+        y = y * tl.load(s_rows, mask=live[:, None], other=0.0)
+    # Weighted and rounded as the grouped GEMM's output, summed in float32 as fused_experts
+    # sums them.
+    y = y * tl.load(weights + assignment, mask=live, other=0.0).to(tl.float32)[:, None]
+    total = tl.sum(y.to(out.dtype.element_ty).to(tl.float32), axis=0)
     tl.store(out + token * stride_om + rows, total.to(out.dtype.element_ty))
 
 
@@ -502,22 +515,26 @@ def takes_direct(tokens: int, top_k: int, num_experts: int) -> bool:
 DIRECT_TILES: dict[str, tuple[int, int, int]] = {}
 
 
-def _direct_plan(experts: torch.nn.Module, name: str) -> tuple[int, int, int, int] | None:
-    """(W_SCALES, BLOCK_N, BLOCK_K, warps) of the direct kernels for weight ``name``: whole
-    rows of up to 2,048 columns a step, as gemv_kernel's; FP8 blocks of columns one a step.
-    None for a blocking they do not take. 16-bit experts take two rows a program: for
-    qwen3-30b-a3b's down projection (768 columns) that was 2.5-3% of the step at batch 1-4
-    against four (bench/results/h100-bf16-decode-fa3/)."""
+def _direct_plan(experts: torch.nn.Module, name: str, tokens: int, top_k: int
+                 ) -> tuple[int, int, int, int] | None:
+    """(W_SCALES, BLOCK_N, BLOCK_K, warps) of the direct kernels for weight ``name``. Gate/up:
+    two rows (and their pairs) a program, whole rows of up to 2,048 columns a step at one token,
+    1,024 at more (qwen3-30b-a3b's gate/up 4-30% faster at 2-4 tokens in the step,
+    bench/results/h200-moe-direct-launches/). Down: two rows of every expert of a token a
+    program, about 4,096 weights a step. FP8 blocks of columns: one block a step at most. None
+    for a blocking they do not take."""
     k = getattr(experts, name).shape[2]
-    block_n, block_k = (2 if k > 1024 else 4), min(2048, triton.next_power_of_2(k))
+    block_k = min(2048 if tokens == 1 else 1024, triton.next_power_of_2(k))
+    if name == "down_proj":
+        block_k = min(triton.next_power_of_2(k), max(64, 2048 // triton.next_power_of_2(top_k)))
     if not experts.quantized:
         return (0, *DIRECT_TILES[name]) if name in DIRECT_TILES else (0, 2, block_k, 4)
     cols = experts.scale_cols[name]
     if cols >= k:
-        return 1, block_n, block_k, 4
+        return 1, 2, block_k, 4
     if cols & (cols - 1) or cols < 16:
         return None
-    return 2, block_n, min(block_k, cols), 4
+    return 2, 2, min(block_k, cols), 4
 
 
 def direct_experts(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Tensor,
@@ -527,7 +544,8 @@ def direct_experts(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Ten
     tokens, top_k = chosen.shape
     gate_up, down = experts.gate_up_proj, experts.down_proj
     inter, hidden = gate_up.shape[1] // 2, gate_up.shape[2]
-    plans = _direct_plan(experts, "gate_up_proj"), _direct_plan(experts, "down_proj")
+    plans = (_direct_plan(experts, "gate_up_proj", tokens, top_k),
+             _direct_plan(experts, "down_proj", tokens, top_k))
     if None in plans:
         return None
     (gate_mode, gate_n, gate_k, gate_warps), (down_mode, down_n, down_k, down_warps) = plans
@@ -542,13 +560,15 @@ def direct_experts(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Ten
         W_SCALES=gate_mode, BLOCK_N=gate_n, BLOCK_K=gate_k, num_warps=gate_warps)
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     down_scale = experts.down_proj_scale if down_mode else down
+    weights = weights.reshape(-1).contiguous()
     _direct_down_sum[(tokens, triton.cdiv(hidden, down_n))](
-        h, down, out, chosen, weights.reshape(-1).contiguous(), hidden, inter, h.stride(0),
-        down.stride(0), down.stride(1), out.stride(0), down_scale,
-        down_scale.stride(0) if down_mode else 0, down_scale.stride(1) if down_mode else 0,
-        experts.scale_cols.get("down_proj", 1), TOP_K=top_k, W_SCALES=down_mode,
+        h, down, out, chosen, weights, hidden, h.stride(0), down.stride(0),
+        down.stride(1), out.stride(0), down_scale, down_scale.stride(0) if down_mode else 0,
+        down_scale.stride(1) if down_mode else 0, experts.scale_cols.get("down_proj", 1),
+        INTER=inter, TOP_K=top_k, TOP_K_P=triton.next_power_of_2(top_k), W_SCALES=down_mode,
         BLOCK_N=down_n, BLOCK_K=down_k, num_warps=down_warps)
     return out
+
 
 
 def fused_experts(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Tensor,
