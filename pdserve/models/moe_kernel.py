@@ -518,13 +518,13 @@ DIRECT_TILES: dict[str, tuple[int, int, int]] = {}
 def _direct_plan(experts: torch.nn.Module, name: str, tokens: int, top_k: int
                  ) -> tuple[int, int, int, int] | None:
     """(W_SCALES, BLOCK_N, BLOCK_K, warps) of the direct kernels for weight ``name``. Gate/up:
-    two rows (and their pairs) a program, whole rows of up to 2,048 columns a step at one token,
-    1,024 at more (qwen3-30b-a3b's gate/up 4-30% faster at 2-4 tokens in the step,
+    two rows (and their pairs) a program, 2,048 columns a step; 1,024 for 2,048-wide rows at
+    more than one token (qwen3-30b-a3b's gate/up 18-30% faster at 2-4 tokens in the step,
     bench/results/h200-moe-direct-launches/). Down: two rows of every expert of a token a
     program, about 4,096 weights a step. FP8 blocks of columns: one block a step at most. None
     for a blocking they do not take."""
     k = getattr(experts, name).shape[2]
-    block_k = min(2048 if tokens == 1 else 1024, triton.next_power_of_2(k))
+    block_k = min(2048 if tokens == 1 or k > 2048 else 1024, triton.next_power_of_2(k))
     if name == "down_proj":
         block_k = min(triton.next_power_of_2(k), max(64, 2048 // triton.next_power_of_2(top_k)))
     if not experts.quantized:
