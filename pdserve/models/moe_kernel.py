@@ -412,20 +412,32 @@ def grouped_gemm(a: torch.Tensor, weights: torch.Tensor, groups: SortedAssignmen
 
 
 @triton.jit
+def _row_step(acc, x_row, w_rows, start, K: tl.constexpr, w_scales, scale_cols,
+              W_SCALES: tl.constexpr, BLOCK_K: tl.constexpr):
+    ks = start + tl.arange(0, BLOCK_K)
+    values = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
+    w = tl.load(w_rows[:, None] + ks[None, :], mask=ks[None, :] < K, other=0.0).to(tl.float32)
+    if W_SCALES == 2:
+        w = w * tl.load(w_scales + start // scale_cols)[:, None]
+    return acc + w * values[None, :]
+
+
+@triton.jit
 def _row_products(x_row, w_rows, K: tl.constexpr, w_scales, scale_cols,
                   W_SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """``BLOCK_N`` weight rows (``w_rows`` their starts; FP8 with their scales' starts
     ``w_scales`` where W_SCALES is 1: one a row, or 2: one a row and ``scale_cols`` columns, a
-    multiple of BLOCK_K) times one activation row, in float32."""
+    multiple of BLOCK_K) times one activation row, in float32. Rows of up to two steps unroll
+    the loop (every step's loads at once), as gemv_kernel's."""
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for start in tl.static_range(0, K, BLOCK_K):   # unrolled: every step's loads at once
-        ks = start + tl.arange(0, BLOCK_K)
-        values = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
-        w = tl.load(w_rows[:, None] + ks[None, :], mask=ks[None, :] < K, other=0.0)
-        w = w.to(tl.float32)
-        if W_SCALES == 2:
-            w = w * tl.load(w_scales + start // scale_cols)[:, None]
-        acc += w * values[None, :]
+    if K <= 2 * BLOCK_K:
+        for start in tl.static_range(0, K, BLOCK_K):
+            acc = _row_step(acc, x_row, w_rows, start, K, w_scales, scale_cols, W_SCALES,
+                            BLOCK_K)
+    else:
+        for start in range(0, K, BLOCK_K):
+            acc = _row_step(acc, x_row, w_rows, start, K, w_scales, scale_cols, W_SCALES,
+                            BLOCK_K)
     out = tl.sum(acc, axis=1)
     if W_SCALES == 1:
         out = out * tl.load(w_scales)
