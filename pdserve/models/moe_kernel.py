@@ -530,8 +530,8 @@ DIRECT_TILES: dict[str, tuple[int, int, int]] = {}
 def _direct_plan(experts: torch.nn.Module, name: str, tokens: int, top_k: int
                  ) -> tuple[int, int, int, int] | None:
     """(W_SCALES, BLOCK_N, BLOCK_K, warps) of the direct kernels for weight ``name``. Gate/up:
-    two rows (and their pairs) a program, 2,048 columns a step; 1,024 for 2,048-wide rows at
-    more than one token (qwen3-30b-a3b's gate/up 18-30% faster at 2-4 tokens in the step,
+    two rows (and their pairs) a program, 2,048 columns a step; 1,024 for rows up to 2,048 wide
+    at more than one token (qwen3-30b-a3b's gate/up 18-30% faster at 2-4 tokens in the step,
     bench/results/h200-moe-direct-launches/). Down: two rows of every expert of a token a
     program, about 4,096 weights a step. FP8 blocks of columns: one block a step at most. None
     for a blocking they do not take."""
@@ -580,7 +580,6 @@ def direct_experts(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Ten
         INTER=inter, TOP_K=top_k, TOP_K_P=triton.next_power_of_2(top_k), W_SCALES=down_mode,
         BLOCK_N=down_n, BLOCK_K=down_k, num_warps=down_warps)
     return out
-
 
 
 def fused_experts(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Tensor,
