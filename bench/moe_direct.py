@@ -3,6 +3,8 @@ weighted sum: ``moe_kernel.direct_experts``) over tilings of each, in a CUDA gra
 runs them: microseconds a call, each call routed to other experts so that weights come from
 memory, not L2. Every tiling's output is checked against the default's. The experts have
 qwen3-30b-a3b's shapes (128 experts, top 8, hidden 2048, expert width 768), bf16. Writes JSON.
+Its rankings have not always held inside the decode step (bench/results/h200-moe-direct-launches):
+confirm a tiling there, with bench/profile_decode.py and moe_kernel.DIRECT_TILES.
 
     python bench/moe_direct.py --tokens 1,2,4
 """
