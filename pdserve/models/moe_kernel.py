@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.models import gemv_kernel
 from pdserve.models.moe_align import SortedAssignments
 
 
@@ -424,13 +425,14 @@ def _row_step(acc, x_row, w_rows, start, K: tl.constexpr, w_scales, scale_cols,
 
 @triton.jit
 def _row_products(x_row, w_rows, K: tl.constexpr, w_scales, scale_cols,
-                  W_SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  W_SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  UNROLL: tl.constexpr):
     """``BLOCK_N`` weight rows (``w_rows`` their starts; FP8 with their scales' starts
     ``w_scales`` where W_SCALES is 1: one a row, or 2: one a row and ``scale_cols`` columns, a
-    multiple of BLOCK_K) times one activation row, in float32. Rows of up to two steps unroll
-    the loop (every step's loads at once), as gemv_kernel's."""
+    multiple of BLOCK_K) times one activation row, in float32. UNROLL: every step's loads at
+    once (gemv_kernel.UNROLL_MAX_STEPS says for which rows)."""
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    if K <= 2 * BLOCK_K:
+    if UNROLL:
         for start in tl.static_range(0, K, BLOCK_K):
             acc = _row_step(acc, x_row, w_rows, start, K, w_scales, scale_cols, W_SCALES,
                             BLOCK_K)
@@ -447,7 +449,8 @@ def _row_products(x_row, w_rows, K: tl.constexpr, w_scales, scale_cols,
 @triton.jit
 def _direct_gate_up(x, w, h, chosen, w_scale, inter, K: tl.constexpr, top_k, stride_xm,
                     stride_we, stride_wn, stride_hm, stride_se, stride_sn, scale_cols,
-                    W_SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    W_SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    UNROLL: tl.constexpr):
     assignment = tl.program_id(0)
     expert = tl.load(chosen + assignment).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -458,7 +461,7 @@ def _direct_gate_up(x, w, h, chosen, w_scale, inter, K: tl.constexpr, top_k, str
     w_rows = tl.minimum(tl.program_id(1) * BLOCK_N + pairs // 2, inter - 1) + (pairs % 2) * inter
     both = _row_products(x_row, w + expert * stride_we + w_rows.to(tl.int64) * stride_wn, K,
                          w_scale + expert * stride_se + w_rows * stride_sn, scale_cols,
-                         W_SCALES, 2 * BLOCK_N, BLOCK_K)
+                         W_SCALES, 2 * BLOCK_N, BLOCK_K, UNROLL)
     gate, up = tl.split(tl.reshape(both, [BLOCK_N, 2]))
     # Rounded as the grouped GEMM's output is, then SiLU-and-mul in float32.
     gate = gate.to(h.dtype.element_ty).to(tl.float32)
@@ -536,9 +539,10 @@ def _direct_plan(experts: torch.nn.Module, name: str, tokens: int, top_k: int
     program, about 4,096 weights a step. FP8 blocks of columns: one block a step at most. None
     for a blocking they do not take."""
     k = getattr(experts, name).shape[2]
-    block_k = min(2048 if tokens == 1 or k > 2048 else 1024, triton.next_power_of_2(k))
     if name == "down_proj":
         block_k = min(triton.next_power_of_2(k), max(64, 2048 // triton.next_power_of_2(top_k)))
+    else:
+        block_k = min(2048 if tokens == 1 or k > 2048 else 1024, triton.next_power_of_2(k))
     if not experts.quantized:
         return (0, *DIRECT_TILES[name]) if name in DIRECT_TILES else (0, 2, block_k, 4)
     cols = experts.scale_cols[name]
@@ -569,7 +573,8 @@ def direct_experts(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Ten
         x, gate_up, h, chosen, gate_scale, inter, hidden, top_k, x.stride(0), gate_up.stride(0),
         gate_up.stride(1), h.stride(0), gate_scale.stride(0) if gate_mode else 0,
         gate_scale.stride(1) if gate_mode else 0, experts.scale_cols.get("gate_up_proj", 1),
-        W_SCALES=gate_mode, BLOCK_N=gate_n, BLOCK_K=gate_k, num_warps=gate_warps)
+        W_SCALES=gate_mode, BLOCK_N=gate_n, BLOCK_K=gate_k,
+        UNROLL=triton.cdiv(hidden, gate_k) <= gemv_kernel.UNROLL_MAX_STEPS, num_warps=gate_warps)
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     down_scale = experts.down_proj_scale if down_mode else down
     weights = weights.reshape(-1).contiguous()
