@@ -1,0 +1,135 @@
+"""What a decode step's kernel boundaries cost, with a GEMV-like Triton pass over 50 MB of bf16
+weights (a qwen3-30b-a3b layer's gate/up bytes, y = W @ x, six copies cycled past L2), in CUDA
+graphs (GPU only).
+
+- ``grids``: one tile a program (as the decode kernels run) against persistent grids of 1-4
+  programs an SM looping over tiles, with plain loads or a pipelined loop (cp.async stages).
+- ``boundaries``: the pass split into C dependent launches, launched one after the other
+  (``serial``), dependently with each kernel letting the next launch first thing (``pdl``), and
+  so with each also waiting for the one before before it stores (``pdl_wait``).
+
+    python bench/launch_probe.py --out bench/results/launch_probe.json
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.runtime.errors import OutOfResources
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_results  # noqa: E402
+
+K, N = 2048, 12288   # 50 MB of bf16 weights
+
+
+@triton.jit
+def _tiles(w, x, y, K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+           PDL: tl.constexpr, WAIT: tl.constexpr):
+    """ROWS rows of y a program. PDL: lets the next launch start at once; WAIT: then waits
+    for the launch before to end before storing."""
+    if PDL:
+        gdc_launch_dependents()
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    acc = tl.zeros([ROWS, BLOCK_K], tl.float32)
+    for k in tl.static_range(0, K, BLOCK_K):
+        cols = k + tl.arange(0, BLOCK_K)
+        acc += (tl.load(w + rows[:, None].to(tl.int64) * K + cols[None, :]).to(tl.float32)
+                * tl.load(x + cols).to(tl.float32)[None, :])
+    out = tl.sum(acc, axis=1)
+    if WAIT:
+        gdc_wait()
+    tl.store(y + rows, out)
+
+
+@triton.jit
+def _persistent(w, x, y, N, K: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr):
+    """Tiles of ROWS whole rows, the program's every num_programs-th, STAGES loads in flight
+    (1: plain loads)."""
+    xs = tl.load(x + tl.arange(0, K)).to(tl.float32)
+    for t in tl.range(tl.program_id(0), N // ROWS, tl.num_programs(0), num_stages=STAGES):
+        rows = t * ROWS + tl.arange(0, ROWS)
+        v = tl.load(w + rows[:, None].to(tl.int64) * K + tl.arange(0, K)[None, :])
+        tl.store(y + rows, tl.sum(v.to(tl.float32) * xs[None, :], axis=1))
+
+
+def pass_us(launch, copies: list[torch.Tensor], reps: int = 5) -> float:
+    """Microseconds of one pass over the weights, ``launch(copy)`` captured four times over
+    every copy in one graph."""
+    launch(copies[0])
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(4):
+            for copy in copies:
+                launch(copy)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (reps * 4 * len(copies))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench/results/launch_probe.json")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    copies = [torch.randn(N, K, device=device).bfloat16() for _ in range(6)]
+    x = torch.randn(K, device=device).bfloat16()
+    y = torch.empty(N, device=device, dtype=torch.float32)
+    want = copies[0].float() @ x.float()
+    rows = []
+
+    def record(kind: str, label: str, launch, **extra) -> float:
+        us = pass_us(launch, copies)
+        launch(copies[0])
+        err = (y - want).abs().max().item()
+        rows.append({"kind": kind, "label": label, "us": round(us, 2),
+                     "gb_s": round(N * K * 2 / us / 1e3), "max_abs_err": err, **extra})
+        print(f"{kind:10s} {label:44s} {us:8.2f} us {N * K * 2 / us / 1e3:7.0f} GB/s", flush=True)
+        return us
+
+    for r, warps in ((1, 4), (2, 4), (4, 8)):
+        record("grids", f"one tile a program, rows={r} warps={warps}",
+               lambda c, r=r, warps=warps: _tiles[(N // r,)](c, x, y, K, r, 2048, False, False,
+                                                             num_warps=warps))
+    for per_sm in (1, 2, 4):
+        for r, warps in ((4, 4), (8, 8), (16, 16)):
+            for stages in (1, 3, 4):
+                label = f"persistent {per_sm}/SM rows={r} warps={warps} stages={stages}"
+                try:
+                    record("grids", label, lambda c, r=r, w=warps, s=stages, p=per_sm:
+                           _persistent[(sms * p,)](c, x, y, N, K, r, s, num_warps=w))
+                except OutOfResources as e:   # stages past shared memory
+                    print(f"grids      {label}: {e}")
+    for mode in ("serial", "pdl", "pdl_wait"):
+        base = None
+        for chunks in (1, 4, 16, 48):
+            part = N // chunks
+
+            def launch(c, part=part, chunks=chunks, mode=mode):
+                for i in range(chunks):
+                    _tiles[(part,)](c[i * part:], x, y[i * part:], K, 1, 2048, mode != "serial",
+                                    mode == "pdl_wait", num_warps=4,
+                                    launch_pdl=mode != "serial")
+
+            us = record("boundaries", f"{mode} {chunks} launches", launch, mode=mode,
+                        launches=chunks)
+            base = us if base is None else base
+            rows[-1]["us_a_boundary"] = round((us - base) / max(chunks - 1, 1), 2)
+    write_results(args.out, "launch_probe", {"weight_bytes": N * K * 2, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
