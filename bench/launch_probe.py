@@ -23,7 +23,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.errors import OutOfResources
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results  # noqa: E402
+from common import graph_calls_us, write_results  # noqa: E402
 
 K, N = 2048, 12288   # 50 MB of bf16 weights
 
@@ -58,27 +58,6 @@ def _persistent(w, x, y, N, K: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.cons
         tl.store(y + rows, tl.sum(v.to(tl.float32) * xs[None, :], axis=1))
 
 
-def pass_us(launch, copies: list[torch.Tensor], reps: int = 5) -> float:
-    """Microseconds of one pass over the weights, ``launch(copy)`` captured four times over
-    every copy in one graph."""
-    launch(copies[0])
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(4):
-            for copy in copies:
-                launch(copy)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(True), torch.cuda.Event(True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (reps * 4 * len(copies))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench/results/launch_probe.json")
@@ -92,7 +71,8 @@ def main() -> None:
     rows = []
 
     def record(kind: str, label: str, launch, **extra) -> float:
-        us = pass_us(launch, copies)
+        # A pass a call, four over every copy in one graph: the weights come from memory.
+        us, _ = graph_calls_us([lambda c=c: launch(c) for _ in range(4) for c in copies])
         launch(copies[0])
         err = (y - want).abs().max().item()
         rows.append({"kind": kind, "label": label, "us": round(us, 2),
