@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -238,3 +240,28 @@ def test_experts_that_do_not_split_over_the_ranks_are_refused():
     with torch.device("meta"), pytest.raises(ValueError,
                                              match="experts' intermediate size divisible by 3"):
         CausalLM(replace(PRESETS["tiny-moe"], num_heads=6, num_kv_heads=3), TPGroup(0, 3))
+
+
+CHATTY_EXIT = """
+import logging, threading, time
+from pdserve.parallel import ranks
+logging.basicConfig(level=logging.INFO)
+def chat():
+    while True:
+        logging.getLogger("engine").info("stopping")
+for _ in range(4):
+    threading.Thread(target=chat, daemon=True).start()
+time.sleep(0.05)
+ranks._exit_with_error("pdserve: error: decode: a tensor-parallel rank is gone")
+"""
+
+
+def test_a_lost_rank_is_the_workers_last_line_whatever_else_logs():
+    """The rank watch ends the worker with its error as the last line, even while other
+    threads log (the engine loop stopping over the same lost rank): printed and then exited,
+    another thread's line landed after it every time."""
+    done = subprocess.run([sys.executable, "-c", CHATTY_EXIT], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (
+        "pdserve: error: decode: a tensor-parallel rank is gone")

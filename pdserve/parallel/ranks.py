@@ -185,10 +185,8 @@ class RankedRunner:
         a dead peer forever, and gloo may too."""
         while not self._stopping.wait(WATCH_POLL_S):
             if self.dead_rank() is not None and not self._stopping.is_set():
-                print(f"pdserve: error: {self.role}: a tensor-parallel rank is gone "
-                      f"({self._rank_exits()}); the worker stops", file=sys.stderr, flush=True)
-                logging.shutdown()
-                os._exit(1)
+                _exit_with_error(f"pdserve: error: {self.role}: a tensor-parallel rank is gone "
+                                 f"({self._rank_exits()}); the worker stops")
 
     def _join(self, size: int, port: int, device: torch.device, all_reduce: str) -> TPGroup:
         """Rank 0's place in the group, once every rank has joined; a ConfigError as soon as
@@ -461,6 +459,17 @@ def _serve_rank(rank: int, size: int, port: int, parent: int) -> None:
                 steps.slots.release(slot)
             _scatter_pages(tp, None, runner.pool, pages, splits)
             steps.launch(plan).tokens()
+
+
+def _exit_with_error(message: str) -> None:
+    """Ends the process at once with ``message`` as its last line: the log handlers' locks are
+    taken first and never given back, so no other thread's log line (the engine loop stopping
+    the server over the same lost rank) lands after it."""
+    for handler in logging.getLogger().handlers:
+        handler.acquire()
+        handler.flush()
+    print(message, file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def _watch_parent(parent: int) -> None:
