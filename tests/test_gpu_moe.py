@@ -89,6 +89,37 @@ def _moe_runner(model: str = "small-moe") -> ModelRunner:
                                     cuda_graph_max_bs=8), "decode")
 
 
+@pytest.mark.parametrize("model", ["small-moe", "small"])
+def test_dependent_launches_compute_what_serial_launches_do(model):
+    """The Triton decode kernels launched dependently (pdl: each lets the next launch early
+    and waits for the one before before reading its results or storing): decode graphs give
+    the serially launched graphs' logits exactly, at one row (GEMVs) and at four."""
+    from pdserve.models import pdl
+
+    register_small_moe()
+    results = []
+    for dependent in (True, False):
+        pdl.ENABLED = dependent
+        try:
+            runner = ModelRunner(EngineConfig(model=model, page_size=16, num_pages=128,
+                                              cuda_graph_max_bs=4), "decode")
+        finally:
+            pdl.ENABLED = True
+        rng = random.Random(11)
+        logits = []
+        for lengths in ((300,), (1, 40, 130, 7)):
+            seqs = []
+            for length in lengths:
+                pages = runner.pool.allocator.alloc(runner.pool.pages_for(length + 1))
+                runner.forward([SeqInput([rng.randrange(256) for _ in range(length)], 0, pages)])
+                seqs.append(SeqInput([rng.randrange(256)], length, pages))
+            assert runner.graph_mode(seqs, None, eager=False)
+            logits.append(runner.forward(seqs).clone())
+        results.append(logits)
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+
+
 def test_fused_experts_match_the_reference_loop_and_run_in_graphs():
     runner = _moe_runner()
     assert runner.model.ops.has_fused_experts and runner.graphs is not None

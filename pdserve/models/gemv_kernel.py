@@ -12,31 +12,48 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.models import pdl
+
 
 @triton.jit
-def _gemv_step(acc, x, w_rows, rows, cols, N, K: tl.constexpr, EVEN: tl.constexpr):
+def _weights(w_rows, rows, cols, N, K: tl.constexpr, EVEN: tl.constexpr):
     if EVEN:
-        weights = tl.load(w_rows + cols[None, :])
+        return tl.load(w_rows + cols[None, :])
+    return tl.load(w_rows + cols[None, :], mask=(rows[:, None] < N) & (cols[None, :] < K),
+                   other=0.0)
+
+
+@triton.jit
+def _times_x(acc, weights, x, cols, K: tl.constexpr, EVEN: tl.constexpr):
+    if EVEN:
         values = tl.load(x + cols)
     else:
-        mask = (rows[:, None] < N) & (cols[None, :] < K)
-        weights = tl.load(w_rows + cols[None, :], mask=mask, other=0.0)
         values = tl.load(x + cols, mask=cols < K, other=0.0)
     return acc + weights.to(tl.float32) * values.to(tl.float32)[None, :]
 
 
 @triton.jit
+def _gemv_step(acc, x, w_rows, rows, cols, N, K: tl.constexpr, EVEN: tl.constexpr):
+    return _times_x(acc, _weights(w_rows, rows, cols, N, K, EVEN), x, cols, K, EVEN)
+
+
+@triton.jit
 def _gemv(x, w, bias, y, N, K: tl.constexpr, w_stride, HAS_BIAS: tl.constexpr,
           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-          UNROLL: tl.constexpr):
+          UNROLL: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = w + rows[:, None].to(tl.int64) * w_stride
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    # The first step's weights load before the wait for x, the kernel before's result.
+    first = _weights(w_rows, rows, tl.arange(0, BLOCK_K), N, K, EVEN)
+    pdl.wait(PDL)
+    acc = _times_x(tl.zeros([BLOCK_N, BLOCK_K], tl.float32), first, x, tl.arange(0, BLOCK_K), K,
+                   EVEN)
     if UNROLL:   # every step's loads at once
-        for start in tl.static_range(0, K, BLOCK_K):
+        for start in tl.static_range(BLOCK_K, K, BLOCK_K):
             acc = _gemv_step(acc, x, w_rows, rows, start + tl.arange(0, BLOCK_K), N, K, EVEN)
     else:
-        for start in range(0, K, BLOCK_K):
+        for start in range(BLOCK_K, K, BLOCK_K):
             acc = _gemv_step(acc, x, w_rows, rows, start + tl.arange(0, BLOCK_K), N, K, EVEN)
     out = tl.sum(acc, axis=1)
     if HAS_BIAS:
@@ -66,8 +83,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     block_n, block_k, warps = TILES.get((n, k)) or _config(n, k)
     even = k % block_k == 0 and n % block_n == 0
+    dependent = pdl.launch(x.device)
     _gemv[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, EVEN=even,
-        UNROLL=triton.cdiv(k, block_k) <= UNROLL_MAX_STEPS, num_warps=warps)
+        UNROLL=triton.cdiv(k, block_k) <= UNROLL_MAX_STEPS, PDL=dependent, num_warps=warps,
+        launch_pdl=dependent)
     return y

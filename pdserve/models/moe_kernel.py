@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.models import gemv_kernel
+from pdserve.models import gemv_kernel, pdl
 from pdserve.models.moe_align import SortedAssignments
 
 
@@ -245,9 +245,12 @@ def _place_chunk(chosen, offsets, sorted_ids, count, EXPERTS_P: tl.constexpr,
 
 @triton.jit
 def _route(logits, weights, chosen, stride, EXPERTS: tl.constexpr, EXPERTS_P: tl.constexpr,
-           TOP_K: tl.constexpr, TOP_K_P: tl.constexpr, RENORMALIZE: tl.constexpr):
+           TOP_K: tl.constexpr, TOP_K_P: tl.constexpr, RENORMALIZE: tl.constexpr,
+           PDL: tl.constexpr):
     """One token: softmax over its router logits (float32), its top-k (the lowest index among
     equals first), renormalised if asked."""
+    pdl.start(PDL)
+    pdl.wait(PDL)
     token = tl.program_id(0)
     experts = tl.arange(0, EXPERTS_P)
     x = tl.load(logits + token * stride + experts, mask=experts < EXPERTS,
@@ -279,10 +282,11 @@ def route_top_k(logits: torch.Tensor, top_k: int, renormalize: bool,
     weights = torch.empty(tokens, top_k, dtype=dtype, device=logits.device)
     chosen = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
     if tokens:
+        dependent = pdl.launch(logits.device)
         _route[(tokens,)](logits, weights, chosen, logits.stride(0), EXPERTS=experts,
                           EXPERTS_P=triton.next_power_of_2(experts), TOP_K=top_k,
                           TOP_K_P=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
-                          num_warps=1)   # its reductions in one warp's shuffles: 2.1 us, not 3.2
+                          PDL=dependent, num_warps=1, launch_pdl=dependent)   # its reductions in one warp's shuffles: 2.1 us, not 3.2
     return weights, chosen
 
 
@@ -450,7 +454,9 @@ def _row_products(x_row, w_rows, K: tl.constexpr, w_scales, scale_cols,
 def _direct_gate_up(x, w, h, chosen, w_scale, inter, K: tl.constexpr, top_k, stride_xm,
                     stride_we, stride_wn, stride_hm, stride_se, stride_sn, scale_cols,
                     W_SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    UNROLL: tl.constexpr):
+                    UNROLL: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
+    pdl.wait(PDL)
     assignment = tl.program_id(0)
     expert = tl.load(chosen + assignment).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -474,10 +480,12 @@ def _direct_gate_up(x, w, h, chosen, w_scale, inter, K: tl.constexpr, top_k, str
 def _direct_down_sum(h, w, out, chosen, weights, hidden, stride_hm, stride_we, stride_wn,
                      stride_om, w_scale, stride_se, stride_sn, scale_cols, INTER: tl.constexpr,
                      TOP_K: tl.constexpr, TOP_K_P: tl.constexpr, W_SCALES: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """BLOCK_N output columns of one token: each of its experts' down rows times its SiLU-and-mul
     row, weighted, rounded and summed. Every expert's rows are loaded in one tile, reduced once:
     a reduction per expert would wait for each expert's loads in turn."""
+    pdl.start(PDL)
+    pdl.wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     rows = tl.minimum(tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N), hidden - 1)
     slots = tl.arange(0, TOP_K_P)
@@ -568,13 +576,15 @@ def direct_experts(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Ten
     x = x.contiguous()
     chosen = chosen.reshape(-1).contiguous()
     h = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    dependent = pdl.launch(x.device)
     gate_scale = experts.gate_up_proj_scale if gate_mode else gate_up
     _direct_gate_up[(tokens * top_k, triton.cdiv(inter, gate_n))](
         x, gate_up, h, chosen, gate_scale, inter, hidden, top_k, x.stride(0), gate_up.stride(0),
         gate_up.stride(1), h.stride(0), gate_scale.stride(0) if gate_mode else 0,
         gate_scale.stride(1) if gate_mode else 0, experts.scale_cols.get("gate_up_proj", 1),
         W_SCALES=gate_mode, BLOCK_N=gate_n, BLOCK_K=gate_k,
-        UNROLL=triton.cdiv(hidden, gate_k) <= gemv_kernel.UNROLL_MAX_STEPS, num_warps=gate_warps)
+        UNROLL=triton.cdiv(hidden, gate_k) <= gemv_kernel.UNROLL_MAX_STEPS, PDL=dependent,
+        num_warps=gate_warps, launch_pdl=dependent)
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     down_scale = experts.down_proj_scale if down_mode else down
     weights = weights.reshape(-1).contiguous()
@@ -583,7 +593,8 @@ def direct_experts(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Ten
         down.stride(1), out.stride(0), down_scale, down_scale.stride(0) if down_mode else 0,
         down_scale.stride(1) if down_mode else 0, experts.scale_cols.get("down_proj", 1),
         INTER=inter, TOP_K=top_k, TOP_K_P=triton.next_power_of_2(top_k), W_SCALES=down_mode,
-        BLOCK_N=down_n, BLOCK_K=down_k, num_warps=down_warps)
+        BLOCK_N=down_n, BLOCK_K=down_k, PDL=dependent, num_warps=down_warps,
+        launch_pdl=dependent)
     return out
 
 

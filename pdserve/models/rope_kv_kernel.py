@@ -13,13 +13,17 @@ import triton
 import triton.language as tl
 
 from pdserve.kvcache.kv_dtype import FP8_E4M3
+from pdserve.models import pdl
 
 
 @triton.jit
 def _rope_store_kv(qkv, q_out, k_cache, v_cache, positions, slots, cos_sin, q_norm_w, k_norm_w,
                    eps, k_scale, v_scale, qkv_stride, num_heads, num_kv_heads,
                    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, QK_NORM: tl.constexpr,
-                   FP8_KV: tl.constexpr, FP8_MAX: tl.constexpr, FP8_Q: tl.constexpr):
+                   FP8_KV: tl.constexpr, FP8_MAX: tl.constexpr, FP8_Q: tl.constexpr,
+                   PDL: tl.constexpr):
+    pdl.start(PDL)
+    pdl.wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)                  # 0: the q heads, 1: the k heads, 2: the v heads
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -106,10 +110,12 @@ def rope_store_kv(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tenso
     assert qkv.stride(1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
     qk_norm = q_norm is not None
     fp8 = k_cache.dtype == torch.float8_e4m3fn
+    dependent = pdl.launch(qkv.device)
     _rope_store_kv[(tokens, 3)](
         qkv, q, k_cache, v_cache, positions, slots, cos_sin,
         q_norm if qk_norm else cos_sin, k_norm if qk_norm else cos_sin, eps, float(k_scale),
         float(v_scale), qkv.stride(0), num_heads, num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(max(num_heads, num_kv_heads)), QK_NORM=qk_norm,
-        FP8_KV=fp8, FP8_MAX=torch.finfo(torch.float8_e4m3fn).max, FP8_Q=fp8_q)
+        FP8_KV=fp8, FP8_MAX=torch.finfo(torch.float8_e4m3fn).max, FP8_Q=fp8_q,
+        PDL=dependent, launch_pdl=dependent)
     return q
