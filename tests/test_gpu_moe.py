@@ -91,20 +91,21 @@ def _moe_runner(model: str = "small-moe") -> ModelRunner:
 
 @pytest.mark.parametrize("model", ["small-moe", "small"])
 def test_dependent_launches_compute_what_serial_launches_do(model):
-    """The Triton decode kernels launched dependently (pdl: each lets the next launch early
-    and waits for the one before before reading its results or storing): decode graphs give
-    the serially launched graphs' logits exactly, at one row (GEMVs) and at four."""
+    """The Triton decode kernels launched dependently (pdl: each lets the next launch early,
+    first thing or, for pdl.LATE kernels, at its end, and waits for the one before before
+    reading its results or storing): decode graphs give the serially launched graphs' logits
+    exactly, at one row (GEMVs) and at four."""
     from pdserve.models import pdl
 
     register_small_moe()
     results = []
-    for dependent in (True, False):
-        pdl.ENABLED = dependent
+    for enabled, late in ((False, set()), (True, set()), (True, {"gemv", "gate_up"})):
+        pdl.ENABLED, pdl.LATE = enabled, late
         try:
             runner = ModelRunner(EngineConfig(model=model, page_size=16, num_pages=128,
                                               cuda_graph_max_bs=4), "decode")
         finally:
-            pdl.ENABLED = True
+            pdl.ENABLED, pdl.LATE = True, set()
         rng = random.Random(11)
         logits = []
         for lengths in ((300,), (1, 40, 130, 7)):
@@ -116,8 +117,10 @@ def test_dependent_launches_compute_what_serial_launches_do(model):
             assert runner.graph_mode(seqs, None, eager=False)
             logits.append(runner.forward(seqs).clone())
         results.append(logits)
-    for got, want in zip(*results):
-        assert torch.equal(got, want)
+    serial = results[0]
+    for dependent in results[1:]:
+        for got, want in zip(dependent, serial):
+            assert torch.equal(got, want)
 
 
 def test_fused_experts_match_the_reference_loop_and_run_in_graphs():

@@ -59,6 +59,7 @@ def _gemv(x, w, bias, y, N, K: tl.constexpr, w_stride, HAS_BIAS: tl.constexpr,
     if HAS_BIAS:
         out += tl.load(bias + rows, mask=rows < N, other=0.0).to(tl.float32)
     tl.store(y + rows, out.to(y.dtype.element_ty), mask=rows < N)
+    pdl.end(PDL)
 
 
 # (BLOCK_N, BLOCK_K, warps) by weight shape (rows, columns), in place of _config's
@@ -83,10 +84,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     block_n, block_k, warps = TILES.get((n, k)) or _config(n, k)
     even = k % block_k == 0 and n % block_n == 0
-    dependent = pdl.launch(x.device)
+    dependent = pdl.mode(x.device, "gemv")
     _gemv[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, EVEN=even,
         UNROLL=triton.cdiv(k, block_k) <= UNROLL_MAX_STEPS, PDL=dependent, num_warps=warps,
-        launch_pdl=dependent)
+        launch_pdl=dependent > 0)
     return y

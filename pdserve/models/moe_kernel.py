@@ -271,6 +271,7 @@ def _route(logits, weights, chosen, stride, EXPERTS: tl.constexpr, EXPERTS_P: tl
     tl.store(weights + token * TOP_K + slots, values.to(weights.dtype.element_ty),
              mask=slots < TOP_K)
     tl.store(chosen + token * TOP_K + slots, picks, mask=slots < TOP_K)
+    pdl.end(PDL)
 
 
 def route_top_k(logits: torch.Tensor, top_k: int, renormalize: bool,
@@ -282,11 +283,12 @@ def route_top_k(logits: torch.Tensor, top_k: int, renormalize: bool,
     weights = torch.empty(tokens, top_k, dtype=dtype, device=logits.device)
     chosen = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
     if tokens:
-        dependent = pdl.launch(logits.device)
+        dependent = pdl.mode(logits.device, "route")
         _route[(tokens,)](logits, weights, chosen, logits.stride(0), EXPERTS=experts,
                           EXPERTS_P=triton.next_power_of_2(experts), TOP_K=top_k,
                           TOP_K_P=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
-                          PDL=dependent, num_warps=1, launch_pdl=dependent)   # its reductions in one warp's shuffles: 2.1 us, not 3.2
+                          PDL=dependent, launch_pdl=dependent > 0,
+                          num_warps=1)   # its reductions in one warp's shuffles: 2.1 us, not 3.2
     return weights, chosen
 
 
@@ -474,6 +476,7 @@ def _direct_gate_up(x, w, h, chosen, w_scale, inter, K: tl.constexpr, top_k, str
     up = up.to(h.dtype.element_ty).to(tl.float32)
     tl.store(h + assignment.to(tl.int64) * stride_hm + rows,
              (gate / (1.0 + tl.exp(-gate)) * up).to(h.dtype.element_ty))
+    pdl.end(PDL)
 
 
 @triton.jit
@@ -511,6 +514,7 @@ def _direct_down_sum(h, w, out, chosen, weights, hidden, stride_hm, stride_we, s
     y = y * tl.load(weights + assignment, mask=live, other=0.0).to(tl.float32)[:, None]
     total = tl.sum(y.to(out.dtype.element_ty).to(tl.float32), axis=0)
     tl.store(out + token * stride_om + rows, total.to(out.dtype.element_ty))
+    pdl.end(PDL)
 
 
 # Assignments (tokens times top-k) up to this many skip the sort: each reads its expert's
@@ -576,15 +580,15 @@ def direct_experts(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Ten
     x = x.contiguous()
     chosen = chosen.reshape(-1).contiguous()
     h = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
-    dependent = pdl.launch(x.device)
+    gate_pdl, down_pdl = pdl.mode(x.device, "gate_up"), pdl.mode(x.device, "down")
     gate_scale = experts.gate_up_proj_scale if gate_mode else gate_up
     _direct_gate_up[(tokens * top_k, triton.cdiv(inter, gate_n))](
         x, gate_up, h, chosen, gate_scale, inter, hidden, top_k, x.stride(0), gate_up.stride(0),
         gate_up.stride(1), h.stride(0), gate_scale.stride(0) if gate_mode else 0,
         gate_scale.stride(1) if gate_mode else 0, experts.scale_cols.get("gate_up_proj", 1),
         W_SCALES=gate_mode, BLOCK_N=gate_n, BLOCK_K=gate_k,
-        UNROLL=triton.cdiv(hidden, gate_k) <= gemv_kernel.UNROLL_MAX_STEPS, PDL=dependent,
-        num_warps=gate_warps, launch_pdl=dependent)
+        UNROLL=triton.cdiv(hidden, gate_k) <= gemv_kernel.UNROLL_MAX_STEPS, PDL=gate_pdl,
+        num_warps=gate_warps, launch_pdl=gate_pdl > 0)
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     down_scale = experts.down_proj_scale if down_mode else down
     weights = weights.reshape(-1).contiguous()
@@ -593,8 +597,8 @@ def direct_experts(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Ten
         down.stride(1), out.stride(0), down_scale, down_scale.stride(0) if down_mode else 0,
         down_scale.stride(1) if down_mode else 0, experts.scale_cols.get("down_proj", 1),
         INTER=inter, TOP_K=top_k, TOP_K_P=triton.next_power_of_2(top_k), W_SCALES=down_mode,
-        BLOCK_N=down_n, BLOCK_K=down_k, PDL=dependent, num_warps=down_warps,
-        launch_pdl=dependent)
+        BLOCK_N=down_n, BLOCK_K=down_k, PDL=down_pdl, num_warps=down_warps,
+        launch_pdl=down_pdl > 0)
     return out
 
 

@@ -84,6 +84,7 @@ def _rope_store_kv(qkv, q_out, k_cache, v_cache, positions, slots, cos_sin, q_no
                 k1, k2 = o1, o2
             tl.store(k_cache + kv_offsets, k1.to(k_cache.dtype.element_ty), mask=mask)
             tl.store(k_cache + kv_offsets + HALF, k2.to(k_cache.dtype.element_ty), mask=mask)
+    pdl.end(PDL)
 
 
 def supports(head_dim: int) -> bool:
@@ -110,12 +111,12 @@ def rope_store_kv(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tenso
     assert qkv.stride(1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
     qk_norm = q_norm is not None
     fp8 = k_cache.dtype == torch.float8_e4m3fn
-    dependent = pdl.launch(qkv.device)
+    dependent = pdl.mode(qkv.device, "rope_kv")
     _rope_store_kv[(tokens, 3)](
         qkv, q, k_cache, v_cache, positions, slots, cos_sin,
         q_norm if qk_norm else cos_sin, k_norm if qk_norm else cos_sin, eps, float(k_scale),
         float(v_scale), qkv.stride(0), num_heads, num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(max(num_heads, num_kv_heads)), QK_NORM=qk_norm,
         FP8_KV=fp8, FP8_MAX=torch.finfo(torch.float8_e4m3fn).max, FP8_Q=fp8_q,
-        PDL=dependent, launch_pdl=dependent)
+        PDL=dependent, launch_pdl=dependent > 0)
     return q
