@@ -211,6 +211,23 @@ def test_gemv_kernel_matches_linear(dtype, n, k, bias):
     torch.testing.assert_close(gemv(x, weight, b), expected, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("rows, hidden", [(1, 2048), (4, 4096), (3, 1000)])
+def test_triton_add_rmsnorm_computes_what_flashinfers_does(rows, hidden):
+    """norm_kernel's add+RMSNorm (a trial that launches dependently): the residual sum
+    exactly, the normed rows to a rounding of FlashInfer's (CudaOps)."""
+    from pdserve.models import norm_kernel
+    from pdserve.models.ops import CudaOps
+
+    gen = torch.Generator(device=CUDA).manual_seed(rows)
+    x = torch.randn(rows, hidden, device=CUDA, generator=gen).bfloat16()
+    residual = torch.randn(rows, hidden, device=CUDA, generator=gen).bfloat16()
+    weight = (1 + torch.randn(hidden, device=CUDA, generator=gen) / 4).bfloat16()
+    want_x, want_residual = CudaOps().add_rmsnorm(x.clone(), residual.clone(), weight, 1e-6)
+    got_x, got_residual = norm_kernel.add_rmsnorm(x.clone(), residual.clone(), weight, 1e-6)
+    assert torch.equal(got_residual, want_residual)
+    torch.testing.assert_close(got_x, want_x, atol=2e-2, rtol=2e-2)
+
+
 def _decode_backend(model: str) -> str:
     """What auto picks for 16-bit decode: FA3 on Hopper for small's 4 query heads a KV head,
     FlashInfer for qwen3-0.6b's 2 and off Hopper."""

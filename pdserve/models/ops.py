@@ -9,6 +9,10 @@ import torch.nn.functional as F
 from pdserve.kvcache.kv_dtype import is_fp8, quantize_fp8
 from pdserve.models.fp8_gemm import Fp8Rows, quantize_rows
 
+# Trial: steps of up to this many rows run norm_kernel's add+RMSNorm (launched dependently,
+# triggering first) in place of FlashInfer's.
+TRITON_ADD_RMSNORM_ROWS = 0
+
 
 class TorchOps:
     """Reference implementations: float32 normalisation, as the checkpoints' own code does."""
@@ -153,6 +157,10 @@ class CudaOps(TorchOps):
     def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         # In place: residual += x; x = rmsnorm(residual).
+        if x.dim() == 2 and x.shape[0] <= TRITON_ADD_RMSNORM_ROWS:
+            from pdserve.models import norm_kernel
+
+            return norm_kernel.add_rmsnorm(x, residual, weight, eps)
         self._ops.fused_add_rmsnorm.default(x, residual, weight, eps, self._launch_dependent(x))
         return x, residual
 
