@@ -99,13 +99,15 @@ def test_dependent_launches_compute_what_serial_launches_do(model):
 
     register_small_moe()
     results = []
-    for enabled, late in ((False, set()), (True, set()), (True, {"gemv", "gate_up"})):
+    default = pdl.ENABLED, pdl.LATE
+    for enabled, late in ((False, set()), (True, set()), (True, {"rope_kv"}),
+                          (True, {"gemv", "gate_up", "add_rmsnorm"})):
         pdl.ENABLED, pdl.LATE = enabled, late
         try:
             runner = ModelRunner(EngineConfig(model=model, page_size=16, num_pages=128,
                                               cuda_graph_max_bs=4), "decode")
         finally:
-            pdl.ENABLED, pdl.LATE = True, set()
+            pdl.ENABLED, pdl.LATE = default
         rng = random.Random(11)
         logits = []
         for lengths in ((300,), (1, 40, 130, 7)):

@@ -1,4 +1,4 @@
-"""Trial: the residual add and RMSNorm of a few rows (decode steps) as a Triton kernel that
+"""The residual add and RMSNorm of a few rows (decode steps) as a Triton kernel that
 launches dependently (pdl) and lets the next launch start first thing, where FlashInfer's lets
 it start only after its stores. In place: ``residual += x``; ``x = rmsnorm(residual) * weight``
 (float32 sums of the unrounded sum, as FlashInfer's)."""

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from pdserve.kvcache.kv_dtype import is_fp8, quantize_fp8
 from pdserve.models.fp8_gemm import Fp8Rows, quantize_rows
 
-# Trial: steps of up to this many rows run norm_kernel's add+RMSNorm (launched dependently,
-# triggering first) in place of FlashInfer's.
-TRITON_ADD_RMSNORM_ROWS = 0
+# Steps of up to this many rows run norm_kernel's add+RMSNorm, which lets the next launch start
+# first thing, where FlashInfer's lets it start after its stores (0: FlashInfer's always).
+TRITON_ADD_RMSNORM_ROWS = 8
 
 
 class TorchOps:
