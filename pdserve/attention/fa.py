@@ -32,6 +32,9 @@ FP8_QUERIES_FROM_ROPE = True
 # (bench/decode.py --unfused-fa-schedule measures it per layer).
 SCHEDULE_ONCE = True
 MAX_SPLITS = 32
+# Trial: decode graphs of few rows over a 16-bit pool run split_decode's one-launch kernel
+# (launched dependently) in place of FA3's split and combine kernels.
+SPLIT_KERNEL = False
 
 
 class FlashAttentionBackend(AttentionBackend):
@@ -57,6 +60,7 @@ class FlashAttentionBackend(AttentionBackend):
         # Decode graphs' page table [max batch, pages of the longest sequence] and lengths.
         self._graph_table: torch.Tensor | None = None
         self._graph_lens: torch.Tensor | None = None
+        self._split_kernel = None   # split_decode.SplitDecode, made with the graphs
 
     def prepare_metadata(self, batch: ForwardBatch) -> None:
         batch.attn_metadata = None  # the kernel reads the batch's own tensors
@@ -74,6 +78,10 @@ class FlashAttentionBackend(AttentionBackend):
         if graph is not None:   # one query a row: [rows, 1, heads, dim], no varlen metadata
             table, lens = graph
             splits = self._shared_splits(rows)
+            if splits and self._split_kernel is not None:
+                return self._split_kernel(q, self.pool.k_cache(layer_id),
+                                          self.pool.v_cache(layer_id), table, lens, self.scale,
+                                          splits)
             if splits:
                 if layer_id == 0:   # captured with the step: recomputed on every replay
                     self._schedule = self._get_schedule(
@@ -99,7 +107,7 @@ class FlashAttentionBackend(AttentionBackend):
         half the SMs idle: a split step ends in FA3's combine kernel, which zeroes the tile
         counter the next layer's kernel counts from (the per-layer schedule zeroes it
         otherwise)."""
-        if not SCHEDULE_ONCE or self._get_schedule is None:
+        if (not SCHEDULE_ONCE or self._get_schedule is None) and self._split_kernel is None:
             return 0
         tiles = rows * self.pool.layout.num_kv_heads
         return min(MAX_SPLITS, self._sms // tiles) if 2 * tiles <= self._sms else 0
@@ -111,6 +119,11 @@ class FlashAttentionBackend(AttentionBackend):
         self._graph_table = torch.full((max(bs_list), width), NULL_PAGE, dtype=torch.int32,
                                        device=device)
         self._graph_lens = torch.zeros(max(bs_list), dtype=torch.int32, device=device)
+        if SPLIT_KERNEL and not self.pool.quantized and self.head_dim & (self.head_dim - 1) == 0:
+            from pdserve.attention.split_decode import SplitDecode
+
+            self._split_kernel = SplitDecode(self.num_heads, self.pool.layout.num_kv_heads,
+                                             self.head_dim, max(bs_list), self._sms, device)
 
     def prepare_for_capture(self, batch: ForwardBatch) -> None:
         self.prepare_for_replay(batch)
