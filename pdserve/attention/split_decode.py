@@ -23,6 +23,9 @@ from pdserve.models import pdl
 BLOCK_N = 32       # keys a loop step
 MIN_CHUNK = 32     # keys a split takes at least: short rows use fewer splits
 WARPS = 4
+# The merge as a second launch (a program a query head) instead of in the last split.
+MERGE_LAUNCH = False
+MERGE_WARPS = 4
 
 
 @triton.jit
@@ -43,7 +46,8 @@ def _split_decode(q, k_cache, v_cache, table, lens, out, part_o, part_lse, count
                   table_stride, q_stride, out_stride, GROUP: tl.constexpr,
                   GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                   KV_HEADS: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
-                  BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, PDL: tl.constexpr):
+                  BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, PDL: tl.constexpr,
+                  MERGE_LAUNCH: tl.constexpr):
     pdl.start(PDL)
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -97,26 +101,52 @@ def _split_decode(q, k_cache, v_cache, table, lens, out, part_o, part_lse, count
             tl.store(part_o + (head_rows * SPLITS + split)[:, None] * HEAD_DIM + dims[None, :],
                      acc / tl.where(seen, total, 1.0)[:, None], mask=real[:, None])
             tl.store(part_lse + head_rows * SPLITS + split, lse, mask=real)
-        tl.debug_barrier()   # every thread's partial stored before the count below
-        counter = counters + row * KV_HEADS + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
-            # The last split merges those that had keys, a query head at a time (unrolled, so
-            # every head's loads are in flight together), bypassing L1: it may hold an earlier
-            # layer's partials at these addresses.
-            parts = tl.arange(0, SPLITS_P)
-            had_keys = parts < tl.cdiv(length, chunk)
-            first_row = (row * KV_HEADS + kv_head) * GROUP
-            for head in tl.static_range(GROUP):
-                at = (first_row + head) * SPLITS + parts
-                lse = tl.load(part_lse + at, mask=had_keys, other=float("-inf"),
-                              cache_modifier=".cg")
-                w = tl.where(had_keys, tl.exp(lse - tl.max(lse, axis=0)), 0.0)
-                o = tl.load(part_o + at[:, None] * HEAD_DIM + dims[None, :],
-                            mask=had_keys[:, None], other=0.0, cache_modifier=".cg")
-                merged = tl.sum(w[:, None] * o, axis=0) / tl.maximum(tl.sum(w, axis=0), 1e-30)
-                tl.store(out + row * out_stride + (kv_head * GROUP + head) * HEAD_DIM + dims,
-                         merged.to(out.dtype.element_ty))   # zeros for a padding row
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")   # for the next layer
+        if not MERGE_LAUNCH:
+            tl.debug_barrier()   # every thread's partial stored before the count below
+            counter = counters + row * KV_HEADS + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+                # The last split merges those that had keys, a query head at a time (unrolled, so
+                # every head's loads are in flight together), bypassing L1: it may hold an earlier
+                # layer's partials at these addresses.
+                parts = tl.arange(0, SPLITS_P)
+                had_keys = parts < tl.cdiv(length, chunk)
+                first_row = (row * KV_HEADS + kv_head) * GROUP
+                for head in tl.static_range(GROUP):
+                    at = (first_row + head) * SPLITS + parts
+                    lse = tl.load(part_lse + at, mask=had_keys, other=float("-inf"),
+                                  cache_modifier=".cg")
+                    w = tl.where(had_keys, tl.exp(lse - tl.max(lse, axis=0)), 0.0)
+                    o = tl.load(part_o + at[:, None] * HEAD_DIM + dims[None, :],
+                                mask=had_keys[:, None], other=0.0, cache_modifier=".cg")
+                    merged = tl.sum(w[:, None] * o, axis=0) / tl.maximum(tl.sum(w, axis=0), 1e-30)
+                    tl.store(out + row * out_stride + (kv_head * GROUP + head) * HEAD_DIM + dims,
+                             merged.to(out.dtype.element_ty))   # zeros for a padding row
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")   # for the next layer
+    pdl.end(PDL)
+
+
+@triton.jit
+def _merge(part_o, part_lse, lens, out, out_stride, GROUP: tl.constexpr,
+           HEAD_DIM: tl.constexpr, KV_HEADS: tl.constexpr, SPLITS: tl.constexpr,
+           SPLITS_P: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr,
+           PDL: tl.constexpr):
+    """One query head of one row: its splits' partials weighted by exp(lse - max lse)."""
+    pdl.start(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    length = tl.load(lens + row)
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N, MIN_CHUNK)
+    parts = tl.arange(0, SPLITS_P)
+    had_keys = parts < tl.cdiv(length, chunk)
+    dims = tl.arange(0, HEAD_DIM)
+    at = ((row * KV_HEADS + head // GROUP) * GROUP + head % GROUP) * SPLITS + parts
+    pdl.wait(PDL)
+    lse = tl.load(part_lse + at, mask=had_keys, other=float("-inf"), cache_modifier=".cg")
+    o = tl.load(part_o + at[:, None] * HEAD_DIM + dims[None, :], mask=had_keys[:, None],
+                other=0.0, cache_modifier=".cg")
+    w = tl.where(had_keys, tl.exp(lse - tl.max(lse, axis=0)), 0.0)
+    merged = tl.sum(w[:, None] * o, axis=0) / tl.maximum(tl.sum(w, axis=0), 1e-30)
+    tl.store(out + row * out_stride + head * HEAD_DIM + dims, merged.to(out.dtype.element_ty))
     pdl.end(PDL)
 
 
@@ -151,5 +181,13 @@ class SplitDecode:
             scale, table.stride(0), q.stride(0), out.stride(0), GROUP=self.group,
             GROUP_P=self.group_p, HEAD_DIM=dim, PAGE=page, KV_HEADS=kv_heads, SPLITS=splits,
             SPLITS_P=triton.next_power_of_2(splits), BLOCK_N=BLOCK_N, MIN_CHUNK=MIN_CHUNK,
-            PDL=dependent, num_warps=WARPS, launch_pdl=dependent > 0)
+            PDL=dependent, MERGE_LAUNCH=MERGE_LAUNCH, num_warps=WARPS,
+            launch_pdl=dependent > 0)
+        if MERGE_LAUNCH and splits > 1:
+            merging = pdl.mode(q.device, "split_merge")
+            _merge[(rows, heads)](
+                self.part_o, self.part_lse, lens, out, out.stride(0), GROUP=self.group,
+                HEAD_DIM=dim, KV_HEADS=kv_heads, SPLITS=splits,
+                SPLITS_P=triton.next_power_of_2(splits), BLOCK_N=BLOCK_N, MIN_CHUNK=MIN_CHUNK,
+                PDL=merging, num_warps=MERGE_WARPS, launch_pdl=merging > 0)
         return out
