@@ -25,6 +25,10 @@ class AttentionBackend(ABC):
         # Whether attend() takes e4m3 queries (FA3 over FP8 pages): the fused RoPE + K/V
         # store then writes them so, saving the cast's two kernels a layer.
         self.fp8_queries = False
+        # Whether its decode graphs' attention launches dependently and loads before it waits:
+        # the RoPE + K/V store before it then lets it launch first thing, else at its end
+        # (FlashInfer's decode kernel, let launch early, held slots the kernels before needed).
+        self.early_launch = False
 
     @abstractmethod
     def prepare_metadata(self, batch: ForwardBatch) -> None:

@@ -8,7 +8,9 @@ per cache, or stored by the fused RoPE kernel). Decode steps in CUDA graphs read
 table as wide as the longest sequence and fixed lengths, copied in before each replay; the
 kernel splits each row's keys by its length on the device, from a schedule the first layer
 computes for every layer of the step (FA3 otherwise recomputes it in a kernel of its own in
-each layer).
+each layer). Graphs whose rows x KV heads are at most SPLIT_KERNEL_TILES, over a 16-bit pool,
+run split_decode.py's kernels instead: launched dependently, they load the cached keys and
+values before the kernel before ends.
 
 Over an FP8 pool FA3 computes in FP8 throughout: it takes no 16-bit queries with FP8 keys, so the
 queries come in e4m3 (written so by the fused RoPE kernel, else cast here, saturating), the
@@ -32,9 +34,11 @@ FP8_QUERIES_FROM_ROPE = True
 # (bench/decode.py --unfused-fa-schedule measures it per layer).
 SCHEDULE_ONCE = True
 MAX_SPLITS = 32
-# Trial: decode graphs of few rows over a 16-bit pool run split_decode's one-launch kernel
-# (launched dependently) in place of FA3's split and combine kernels.
-SPLIT_KERNEL = False
+# Decode graphs of at most this many (row, KV head) pairs run split_decode's kernels in place of
+# FA3's (0: never). At 4, qwen3-30b-a3b's batch 1 took 6% less time; llama3-8b's batch 1 (eight
+# pairs) took 1.4% more (bench/results/h200-moe-split-decode). Off until this form of the
+# kernels has run its GPU tests.
+SPLIT_KERNEL_TILES = 0
 
 
 class FlashAttentionBackend(AttentionBackend):
@@ -77,11 +81,12 @@ class FlashAttentionBackend(AttentionBackend):
             extra = {"k_descale": k_descale.expand(shape), "v_descale": v_descale.expand(shape)}
         if graph is not None:   # one query a row: [rows, 1, heads, dim], no varlen metadata
             table, lens = graph
-            splits = self._shared_splits(rows)
-            if splits and self._split_kernel is not None:
+            tiles = rows * self.pool.layout.num_kv_heads
+            if self._split_kernel is not None and tiles <= SPLIT_KERNEL_TILES:
                 return self._split_kernel(q, self.pool.k_cache(layer_id),
                                           self.pool.v_cache(layer_id), table, lens, self.scale,
-                                          splits)
+                                          min(MAX_SPLITS, self._sms // tiles))
+            splits = self._shared_splits(rows)
             if splits:
                 if layer_id == 0:   # captured with the step: recomputed on every replay
                     self._schedule = self._get_schedule(
@@ -107,7 +112,7 @@ class FlashAttentionBackend(AttentionBackend):
         half the SMs idle: a split step ends in FA3's combine kernel, which zeroes the tile
         counter the next layer's kernel counts from (the per-layer schedule zeroes it
         otherwise)."""
-        if (not SCHEDULE_ONCE or self._get_schedule is None) and self._split_kernel is None:
+        if not SCHEDULE_ONCE or self._get_schedule is None:
             return 0
         tiles = rows * self.pool.layout.num_kv_heads
         return min(MAX_SPLITS, self._sms // tiles) if 2 * tiles <= self._sms else 0
@@ -119,11 +124,13 @@ class FlashAttentionBackend(AttentionBackend):
         self._graph_table = torch.full((max(bs_list), width), NULL_PAGE, dtype=torch.int32,
                                        device=device)
         self._graph_lens = torch.zeros(max(bs_list), dtype=torch.int32, device=device)
-        if SPLIT_KERNEL and not self.pool.quantized and self.head_dim & (self.head_dim - 1) == 0:
+        if SPLIT_KERNEL_TILES and not self.pool.quantized and \
+                self.head_dim & (self.head_dim - 1) == 0:   # tl.arange takes powers of 2
             from pdserve.attention.split_decode import SplitDecode
 
             self._split_kernel = SplitDecode(self.num_heads, self.pool.layout.num_kv_heads,
-                                             self.head_dim, max(bs_list), self._sms, device)
+                                             self.head_dim, self._sms, device)
+            self.early_launch = True
 
     def prepare_for_capture(self, batch: ForwardBatch) -> None:
         self.prepare_for_replay(batch)

@@ -1,12 +1,11 @@
-"""Decode attention of a few rows as one Triton launch: each (row, KV head) splits its keys over
-``splits`` programs, and the last of them to finish merges the partial results (an arrival
-counter per (row, KV head), reset by the merge). FA3 takes a split kernel and a combine kernel,
-launched one after the other.
+"""Decode attention of a few rows in two Triton launches, both launched dependently: each
+(row, KV head) splits its keys over ``splits`` programs, then a program a query head merges its
+splits. FA3 does the same in its split and combine kernels, launched one after the other.
 
-Launched dependently (pdl): a program loads its page-table entries and its first block of keys
-and values before it waits for the kernel before, since only the row's newest key (stored by
-RoPE + K/V in the same step) and the queries depend on it; the page table and lengths are
-copied in before the graph runs.
+A split program loads its page-table entries and its first block of keys and values before it
+waits for the kernel before: only the row's newest key (stored by RoPE + K/V in the same step)
+and the queries depend on it, and the page table and lengths are copied in before the graph
+runs.
 
 Per split: softmax of q.k scaled (float32) with a running max, p rounded to the pool's dtype
 for p.v as FlashAttention does; the merge weights each split's normalised output by
@@ -23,9 +22,6 @@ from pdserve.models import pdl
 BLOCK_N = 32       # keys a loop step
 MIN_CHUNK = 32     # keys a split takes at least: short rows use fewer splits
 WARPS = 4
-# The merge as a second launch (a program a query head) instead of in the last split.
-MERGE_LAUNCH = False
-MERGE_WARPS = 4
 
 
 @triton.jit
@@ -42,30 +38,34 @@ def _block(qv, k, v, valid, m, total, acc, scale):
 
 
 @triton.jit
-def _split_decode(q, k_cache, v_cache, table, lens, out, part_o, part_lse, counters, scale,
-                  table_stride, q_stride, out_stride, GROUP: tl.constexpr,
-                  GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                  KV_HEADS: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
-                  BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, PDL: tl.constexpr,
-                  MERGE_LAUNCH: tl.constexpr):
+def _chunk(length, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr):
+    """Keys a split of a row of ``length`` keys takes: whole blocks, at least MIN_CHUNK."""
+    return tl.maximum(tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N, MIN_CHUNK)
+
+
+@triton.jit
+def _split(q, k_cache, v_cache, table, lens, out, part_o, part_lse, scale, table_stride,
+           q_stride, out_stride, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+           HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, KV_HEADS: tl.constexpr,
+           SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr,
+           PDL: tl.constexpr):
     pdl.start(PDL)
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     length = tl.load(lens + row)
-    chunk = tl.maximum(tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N, MIN_CHUNK)
-    start = split * chunk
-    end = tl.minimum(start + chunk, length)
+    start = split * _chunk(length, SPLITS, BLOCK_N, MIN_CHUNK)
+    end = tl.minimum(start + _chunk(length, SPLITS, BLOCK_N, MIN_CHUNK), length)
     dims = tl.arange(0, HEAD_DIM)
     # The first block before the wait: every key but the row's newest was stored by earlier steps.
     keys = start + tl.arange(0, BLOCK_N)
     valid = keys < end
-    old = keys < length - 1
+    old = valid & (keys < length - 1)
     pages = tl.load(table + row * table_stride + keys // PAGE, mask=valid, other=0)
-    offsets = ((pages.to(tl.int64) * PAGE + keys % PAGE) * KV_HEADS + kv_head)[:, None] * HEAD_DIM \
-        + dims[None, :]
-    k = tl.load(k_cache + offsets, mask=(valid & old)[:, None], other=0.0)
-    v = tl.load(v_cache + offsets, mask=(valid & old)[:, None], other=0.0)
+    offsets = ((pages.to(tl.int64) * PAGE + keys % PAGE) * KV_HEADS + kv_head)[:, None] \
+        * HEAD_DIM + dims[None, :]
+    k = tl.load(k_cache + offsets, mask=old[:, None], other=0.0)
+    v = tl.load(v_cache + offsets, mask=old[:, None], other=0.0)
     pdl.wait(PDL)
     new = valid & (keys == length - 1)
     k = tl.where(new[:, None], tl.load(k_cache + offsets, mask=new[:, None], other=0.0), k)
@@ -89,39 +89,15 @@ def _split_decode(q, k_cache, v_cache, table, lens, out, part_o, part_lse, count
         v = tl.load(v_cache + offsets, mask=valid[:, None], other=0.0)
         m, total, acc = _block(qv, k, v, valid, m, total, acc, scale)
     seen = total > 0   # an empty split (past the row's keys, or a padding row) weighs 0
+    normalised = acc / tl.where(seen, total, 1.0)[:, None]
     if SPLITS == 1:
         tl.store(out + row * out_stride + q_heads[:, None] * HEAD_DIM + dims[None, :],
-                 (acc / tl.where(seen, total, 1.0)[:, None]).to(out.dtype.element_ty),
-                 mask=real[:, None])
-    else:
+                 normalised.to(out.dtype.element_ty), mask=real[:, None])
+    elif start < length:
         # Partials [row, KV head, query head, split]: a head's splits side by side.
-        head_rows = (row * KV_HEADS + kv_head) * GROUP + heads
-        if start < length:
-            lse = m + tl.log(tl.where(seen, total, 1.0))
-            tl.store(part_o + (head_rows * SPLITS + split)[:, None] * HEAD_DIM + dims[None, :],
-                     acc / tl.where(seen, total, 1.0)[:, None], mask=real[:, None])
-            tl.store(part_lse + head_rows * SPLITS + split, lse, mask=real)
-        if not MERGE_LAUNCH:
-            tl.debug_barrier()   # every thread's partial stored before the count below
-            counter = counters + row * KV_HEADS + kv_head
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
-                # The last split merges those that had keys, a query head at a time (unrolled, so
-                # every head's loads are in flight together), bypassing L1: it may hold an earlier
-                # layer's partials at these addresses.
-                parts = tl.arange(0, SPLITS_P)
-                had_keys = parts < tl.cdiv(length, chunk)
-                first_row = (row * KV_HEADS + kv_head) * GROUP
-                for head in tl.static_range(GROUP):
-                    at = (first_row + head) * SPLITS + parts
-                    lse = tl.load(part_lse + at, mask=had_keys, other=float("-inf"),
-                                  cache_modifier=".cg")
-                    w = tl.where(had_keys, tl.exp(lse - tl.max(lse, axis=0)), 0.0)
-                    o = tl.load(part_o + at[:, None] * HEAD_DIM + dims[None, :],
-                                mask=had_keys[:, None], other=0.0, cache_modifier=".cg")
-                    merged = tl.sum(w[:, None] * o, axis=0) / tl.maximum(tl.sum(w, axis=0), 1e-30)
-                    tl.store(out + row * out_stride + (kv_head * GROUP + head) * HEAD_DIM + dims,
-                             merged.to(out.dtype.element_ty))   # zeros for a padding row
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")   # for the next layer
+        at = ((row * KV_HEADS + kv_head) * GROUP + heads) * SPLITS + split
+        tl.store(part_o + at[:, None] * HEAD_DIM + dims[None, :], normalised, mask=real[:, None])
+        tl.store(part_lse + at, m + tl.log(tl.where(seen, total, 1.0)), mask=real)
     pdl.end(PDL)
 
 
@@ -130,40 +106,39 @@ def _merge(part_o, part_lse, lens, out, out_stride, GROUP: tl.constexpr,
            HEAD_DIM: tl.constexpr, KV_HEADS: tl.constexpr, SPLITS: tl.constexpr,
            SPLITS_P: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr,
            PDL: tl.constexpr):
-    """One query head of one row: its splits' partials weighted by exp(lse - max lse)."""
+    """One query head of one row: the splits that had keys, weighted by exp(lse - max lse)."""
     pdl.start(PDL)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     length = tl.load(lens + row)
-    chunk = tl.maximum(tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N, MIN_CHUNK)
     parts = tl.arange(0, SPLITS_P)
-    had_keys = parts < tl.cdiv(length, chunk)
+    had_keys = parts < tl.cdiv(length, _chunk(length, SPLITS, BLOCK_N, MIN_CHUNK))
     dims = tl.arange(0, HEAD_DIM)
     at = ((row * KV_HEADS + head // GROUP) * GROUP + head % GROUP) * SPLITS + parts
     pdl.wait(PDL)
+    # Past L1: it may hold an earlier layer's partials at these addresses.
     lse = tl.load(part_lse + at, mask=had_keys, other=float("-inf"), cache_modifier=".cg")
     o = tl.load(part_o + at[:, None] * HEAD_DIM + dims[None, :], mask=had_keys[:, None],
                 other=0.0, cache_modifier=".cg")
     w = tl.where(had_keys, tl.exp(lse - tl.max(lse, axis=0)), 0.0)
     merged = tl.sum(w[:, None] * o, axis=0) / tl.maximum(tl.sum(w, axis=0), 1e-30)
-    tl.store(out + row * out_stride + head * HEAD_DIM + dims, merged.to(out.dtype.element_ty))
+    tl.store(out + row * out_stride + head * HEAD_DIM + dims,
+             merged.to(out.dtype.element_ty))   # zeros for a padding row
     pdl.end(PDL)
 
 
 class SplitDecode:
-    """The kernel with its scratch on ``device``: partials for up to ``tiles`` (row, KV head,
-    split) programs, and arrival counters for up to ``max_rows`` rows, zeroed once and reset by
-    each merge."""
+    """The two kernels with their scratch on ``device``: partials for up to ``tiles`` (row, KV
+    head, split) programs."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, max_rows: int,
-                 tiles: int, device: torch.device) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, tiles: int,
+                 device: torch.device) -> None:
         self.group = num_heads // num_kv_heads
-        self.group_p = max(16, triton.next_power_of_2(self.group))
+        self.group_p = max(16, triton.next_power_of_2(self.group))   # tl.dot takes 16 rows up
         self.tiles = tiles
         self.part_o = torch.empty(tiles * self.group, head_dim, dtype=torch.float32,
                                   device=device)
         self.part_lse = torch.empty(tiles * self.group, dtype=torch.float32, device=device)
-        self.counters = torch.zeros(max_rows * num_kv_heads, dtype=torch.int32, device=device)
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  table: torch.Tensor, lens: torch.Tensor, scale: float,
@@ -172,22 +147,20 @@ class SplitDecode:
         int32; lens [rows] int32 (each row's keys, its new one included)."""
         rows, heads, dim = q.shape
         _, page, kv_heads, _ = k_cache.shape
-        assert rows * kv_heads * splits <= self.tiles and rows * kv_heads <= self.counters.numel()
+        assert rows * kv_heads * splits <= self.tiles
         assert q.stride(2) == 1 and q.stride(1) == dim and k_cache.is_contiguous()
         out = torch.empty(rows, heads, dim, dtype=q.dtype, device=q.device)
         dependent = pdl.mode(q.device, "split_decode")
-        _split_decode[(rows, kv_heads, splits)](
-            q, k_cache, v_cache, table, lens, out, self.part_o, self.part_lse, self.counters,
-            scale, table.stride(0), q.stride(0), out.stride(0), GROUP=self.group,
-            GROUP_P=self.group_p, HEAD_DIM=dim, PAGE=page, KV_HEADS=kv_heads, SPLITS=splits,
-            SPLITS_P=triton.next_power_of_2(splits), BLOCK_N=BLOCK_N, MIN_CHUNK=MIN_CHUNK,
-            PDL=dependent, MERGE_LAUNCH=MERGE_LAUNCH, num_warps=WARPS,
-            launch_pdl=dependent > 0)
-        if MERGE_LAUNCH and splits > 1:
-            merging = pdl.mode(q.device, "split_merge")
+        _split[(rows, kv_heads, splits)](
+            q, k_cache, v_cache, table, lens, out, self.part_o, self.part_lse, scale,
+            table.stride(0), q.stride(0), out.stride(0), GROUP=self.group, GROUP_P=self.group_p,
+            HEAD_DIM=dim, PAGE=page, KV_HEADS=kv_heads, SPLITS=splits, BLOCK_N=BLOCK_N,
+            MIN_CHUNK=MIN_CHUNK, PDL=dependent, num_warps=WARPS, launch_pdl=dependent > 0)
+        if splits > 1:
+            dependent = pdl.mode(q.device, "split_merge")
             _merge[(rows, heads)](
                 self.part_o, self.part_lse, lens, out, out.stride(0), GROUP=self.group,
                 HEAD_DIM=dim, KV_HEADS=kv_heads, SPLITS=splits,
                 SPLITS_P=triton.next_power_of_2(splits), BLOCK_N=BLOCK_N, MIN_CHUNK=MIN_CHUNK,
-                PDL=merging, num_warps=MERGE_WARPS, launch_pdl=merging > 0)
+                PDL=dependent, num_warps=WARPS, launch_pdl=dependent > 0)
         return out

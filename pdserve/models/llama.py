@@ -95,7 +95,8 @@ class Attention(nn.Module):
             pool.k_cache(self.layer_id), pool.v_cache(self.layer_id), self.num_heads,
             self.num_kv_heads, cfg.head_dim, self.q_norm.weight if cfg.qk_norm else None,
             self.k_norm.weight if cfg.qk_norm else None, cfg.rms_norm_eps,
-            pool.k_scales[self.layer_id], pool.v_scales[self.layer_id], ctx.attn.fp8_queries)
+            pool.k_scales[self.layer_id], pool.v_scales[self.layer_id], ctx.attn.fp8_queries,
+            ctx.attn.early_launch)
 
     def output(self, out: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The output projection of the attention's ``out``."""

@@ -35,7 +35,7 @@ class TorchOps:
                       num_heads: int, num_kv_heads: int, head_dim: int,
                       q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
                       eps: float, k_scale: float = 1.0, v_scale: float = 1.0,
-                      fp8_q: bool = False) -> torch.Tensor:
+                      fp8_q: bool = False, early: bool = False) -> torch.Tensor:
         """(q/k RMSNorm,) RoPE and the K/V store of one layer, as the fused kernel does them
         (CudaOps; here for checking what calls it on the CPU); returns q [tokens, heads, dim],
         saturated to e4m3 with ``fp8_q``."""
@@ -196,13 +196,13 @@ class CudaOps(TorchOps):
                       num_heads: int, num_kv_heads: int, head_dim: int,
                       q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
                       eps: float, k_scale: float = 1.0, v_scale: float = 1.0,
-                      fp8_q: bool = False) -> torch.Tensor:
+                      fp8_q: bool = False, early: bool = False) -> torch.Tensor:
         """(q/k RMSNorm,) RoPE and the K/V store of one layer in one kernel; returns q."""
         from pdserve.models.rope_kv_kernel import rope_store_kv
 
         return rope_store_kv(qkv, positions, slots, cos_sin, k_cache, v_cache, num_heads,
                              num_kv_heads, head_dim, q_norm, k_norm, eps, k_scale, v_scale,
-                             fp8_q)
+                             fp8_q, early)
 
     def rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
              cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

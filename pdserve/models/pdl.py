@@ -23,9 +23,8 @@ except ImportError:   # a Triton without grid dependency control: never launched
 # False launches each kernel after the one before has ended.
 ENABLED = True
 # Kernels (by the names mode() is called with) that let the next launch start only once their
-# stores are issued. RoPE + K/V store: FlashInfer's decode attention after it launches
-# dependently, and started early it slowed qwen3-0.6b's batch-1 step by a fifth.
-LATE: set[str] = {"rope_kv"}
+# stores are issued (RoPE + K/V store chooses by the attention after it: rope_kv_kernel).
+LATE: set[str] = set()
 
 _capable: dict[int, bool] = {}
 

@@ -97,12 +97,13 @@ def rope_store_kv(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tenso
                   num_heads: int, num_kv_heads: int, head_dim: int,
                   q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
                   eps: float = 1e-6, k_scale: float = 1.0, v_scale: float = 1.0,
-                  fp8_q: bool = False) -> torch.Tensor:
+                  fp8_q: bool = False, early: bool = False) -> torch.Tensor:
     """qkv: [tokens, (heads + 2 kv_heads) * dim] (rows may be strided); cos_sin: [positions, dim]
     float32; k_cache/v_cache: one layer's contiguous [pages, page_size, kv_heads, dim], 16-bit
     or FP8 (K and V stored divided by ``k_scale``/``v_scale``, as KVPool.store_kv stores them).
     Writes K and V at ``slots``; returns the rotated q [tokens, heads, dim], with ``fp8_q``
-    saturated to e4m3 (as FA3 reads it over FP8 pages)."""
+    saturated to e4m3 (as FA3 reads it over FP8 pages). Launched dependently, it lets the next
+    launch start at its end, or first thing with ``early`` (AttentionBackend.early_launch)."""
     tokens = qkv.shape[0]
     q = torch.empty(tokens, num_heads, head_dim,
                     dtype=FP8_E4M3 if fp8_q else qkv.dtype, device=qkv.device)
@@ -112,6 +113,8 @@ def rope_store_kv(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tenso
     qk_norm = q_norm is not None
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     dependent = pdl.mode(qkv.device, "rope_kv")
+    if dependent == 1 and not early:
+        dependent = 2
     _rope_store_kv[(tokens, 3)](
         qkv, q, k_cache, v_cache, positions, slots, cos_sin,
         q_norm if qk_norm else cos_sin, k_norm if qk_norm else cos_sin, eps, float(k_scale),
