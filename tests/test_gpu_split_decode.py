@@ -40,3 +40,45 @@ def test_split_kernel_matches_flash_attention(heads, kv_heads, head_dim, page, l
         assert got[~real].eq(0).all() and got.isfinite().all()
         diff = (got[real].float() - want[real].float()).abs().max().item()
         assert diff < 2e-2, (splits, diff)
+
+
+def test_decode_graphs_with_the_split_kernels_compute_what_fa3_does(monkeypatch):
+    """small has 2 KV heads, so graphs of 1-2 rows run the split kernels at
+    SPLIT_KERNEL_TILES = 4 (and RoPE + K/V lets them launch first): over four steps the logits
+    are FA3's to bf16 rounding, and the greedy token is FA3's wherever FA3's top two logits are
+    apart by more than that."""
+    import random
+
+    from pdserve.attention import fa
+    from pdserve.config import EngineConfig
+    from pdserve.engine.batch import SeqInput
+    from pdserve.engine.runner import ModelRunner
+
+    results = []
+    for tiles in (0, 4):
+        monkeypatch.setattr(fa, "SPLIT_KERNEL_TILES", tiles)
+        runner = ModelRunner(EngineConfig(model="small", page_size=16, num_pages=128,
+                                          cuda_graph_max_bs=4), "decode")
+        if runner.attn.name != "fa":
+            pytest.skip("decode here runs FlashInfer, not FA3")
+        assert (runner.attn._split_kernel is not None) == bool(tiles)
+        assert runner.attn.early_launch == bool(tiles)
+        rng = random.Random(3)   # the same prompts and tokens for both
+        steps = []
+        for lengths in ((300,), (40, 977)):
+            pages = [runner.pool.allocator.alloc(runner.pool.pages_for(n + 4)) for n in lengths]
+            for length, seq_pages in zip(lengths, pages):
+                runner.forward([SeqInput([rng.randrange(256) for _ in range(length)], 0,
+                                         seq_pages)])
+            for step in range(4):
+                seqs = [SeqInput([rng.randrange(256)], length + step, seq_pages)
+                        for length, seq_pages in zip(lengths, pages)]
+                assert runner.graph_mode(seqs, None, eager=False)
+                steps.append(runner.forward(seqs).float())
+        results.append(steps)
+    for got, want in zip(results[1], results[0]):
+        tolerance = 0.02 * want.abs().max().item()
+        assert (got - want).abs().max().item() < tolerance
+        top2 = want.topk(2, dim=-1).values
+        clear = top2[:, 0] - top2[:, 1] > 2 * tolerance
+        assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
