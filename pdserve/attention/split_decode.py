@@ -54,8 +54,9 @@ def _split(q, k_cache, v_cache, table, lens, out, part_o, part_lse, scale, table
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     length = tl.load(lens + row)
-    start = split * _chunk(length, SPLITS, BLOCK_N, MIN_CHUNK)
-    end = tl.minimum(start + _chunk(length, SPLITS, BLOCK_N, MIN_CHUNK), length)
+    chunk = _chunk(length, SPLITS, BLOCK_N, MIN_CHUNK)
+    start = split * chunk
+    end = tl.minimum(start + chunk, length)
     dims = tl.arange(0, HEAD_DIM)
     # The first block before the wait: every key but the row's newest was stored by earlier steps.
     keys = start + tl.arange(0, BLOCK_N)
