@@ -125,6 +125,38 @@ def test_dependent_launches_compute_what_serial_launches_do(model):
             assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("model", ["small-moe", "small"])
+def test_norms_fused_into_the_gemvs_compute_what_separate_norms_do(monkeypatch, model):
+    """One-row decode graphs with each layer's add+RMSNorm inside the GEMV after it
+    (ops.NORM_GEMV: the QKV projection, the router or the MLP's gate/up) give the logits of
+    graphs that launch the norms alone, to bf16 rounding, and the same greedy token wherever
+    the top two logits are clearly apart, over eight steps that each read the K/V the steps
+    before stored."""
+    from pdserve.models import ops
+
+    register_small_moe()
+    results = []
+    for fused in (False, True):
+        monkeypatch.setattr(ops, "NORM_GEMV", fused)
+        runner = ModelRunner(EngineConfig(model=model, page_size=16, num_pages=128,
+                                          cuda_graph_max_bs=4), "decode")
+        rng = random.Random(5)
+        pages = runner.pool.allocator.alloc(runner.pool.pages_for(300 + 8))
+        runner.forward([SeqInput([rng.randrange(256) for _ in range(300)], 0, pages)])
+        steps = []
+        for step in range(8):
+            seqs = [SeqInput([rng.randrange(256)], 300 + step, pages)]
+            assert runner.graph_mode(seqs, None, eager=False)
+            steps.append(runner.forward(seqs).float())
+        results.append(steps)
+    for got, want in zip(results[1], results[0]):
+        tolerance = 0.02 * want.abs().max().item()
+        assert (got - want).abs().max().item() < tolerance
+        top2 = want.topk(2, dim=-1).values
+        clear = top2[:, 0] - top2[:, 1] > 2 * tolerance
+        assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+
+
 def test_fused_experts_match_the_reference_loop_and_run_in_graphs():
     runner = _moe_runner()
     assert runner.model.ops.has_fused_experts and runner.graphs is not None

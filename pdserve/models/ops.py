@@ -12,6 +12,9 @@ from pdserve.models.fp8_gemm import Fp8Rows, quantize_rows
 # Steps of up to this many rows run norm_kernel's add+RMSNorm, which lets the next launch start
 # first thing, where FlashInfer's lets it start after its stores (0: FlashInfer's always).
 TRITON_ADD_RMSNORM_ROWS = 8
+# One-row steps in CUDA graphs run the add+RMSNorm before a layer's first projection inside its
+# GEMV (gemv_kernel.norm_gemv): a launch less, twice a layer (False: the norm launches alone).
+NORM_GEMV = True
 
 
 class TorchOps:
@@ -25,6 +28,15 @@ class TorchOps:
              bias: torch.Tensor | None = None) -> torch.Tensor:
         """A linear layer for one row of ``x``."""
         return F.linear(x, weight, bias)
+
+    def norm_gemv(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                  eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  keep_normed: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
+        """``add_rmsnorm`` of one row, then ``gemv`` of the normed row, as one kernel: (the
+        GEMV's output, the normed row if ``keep_normed``, the residual sum); None where there
+        is no such kernel (the caller runs the two)."""
+        return None
 
     def fuses_rope_kv(self, head_dim: int) -> bool:
         """Whether ``rope_store_kv`` (RoPE + the K/V store in one kernel) takes this head dim."""
@@ -129,6 +141,16 @@ class CudaOps(TorchOps):
         from pdserve.models.gemv_kernel import gemv
 
         return gemv(x, weight, bias)
+
+    def norm_gemv(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                  eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  keep_normed: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
+        if not NORM_GEMV:
+            return None
+        from pdserve.models import gemv_kernel
+
+        return gemv_kernel.norm_gemv(x, residual, norm_weight, eps, weight, bias, keep_normed)
 
     has_fused_experts = True
 
