@@ -125,19 +125,53 @@ def test_dependent_launches_compute_what_serial_launches_do(model):
             assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("experts, hidden, top_k, renormalize, norm",
+                         [(128, 2048, 8, True, True), (8, 4096, 2, False, True),
+                          (60, 1000, 4, True, False)])
+def test_norm_route_routes_as_route_top_k_does(experts, hidden, top_k, renormalize, norm):
+    """moe_kernel.norm_route (add+RMSNorm, router GEMV and routing in one launch, the last
+    program to arrive routing): the residual sum exactly, the normed row to a rounding, the
+    experts route_top_k picks from the same logits, their weights to float32 rounding, and
+    the arrival counter back at zero, launch after launch."""
+    from pdserve.models import gemv_kernel, moe_kernel, norm_kernel
+
+    gen = torch.Generator(device=CUDA).manual_seed(experts)
+    x = torch.randn(1, hidden, device=CUDA, generator=gen).bfloat16()
+    residual = torch.randn(1, hidden, device=CUDA, generator=gen).bfloat16()
+    norm_weight = (1 + torch.randn(hidden, device=CUDA, generator=gen) / 4).bfloat16()
+    gate = (torch.randn(experts, hidden, device=CUDA, generator=gen) / hidden ** 0.5).bfloat16()
+    want_normed, want_sum = (norm_kernel.add_rmsnorm(x.clone(), residual.clone(), norm_weight,
+                                                     1e-6) if norm else (x, None))
+    for _ in range(3):
+        weights, chosen, normed, summed = moe_kernel.norm_route(
+            x, residual if norm else None, norm_weight if norm else None, 1e-6, gate, top_k,
+            renormalize)
+        if norm:
+            assert torch.equal(summed, want_sum)
+            torch.testing.assert_close(normed, want_normed, atol=0, rtol=8e-3)
+        else:
+            assert normed is None and summed is None
+        logits = gemv_kernel.gemv(want_normed, gate)
+        want_weights, want_chosen = moe_kernel.route_top_k(logits, top_k, renormalize)
+        assert torch.equal(chosen, want_chosen)
+        torch.testing.assert_close(weights, want_weights, atol=1e-2, rtol=1e-2)
+        assert moe_kernel._arrival_counters[x.device].item() == 0
+
+
 @pytest.mark.parametrize("model", ["small-moe", "small"])
 def test_norms_fused_into_the_gemvs_compute_what_separate_norms_do(monkeypatch, model):
     """One-row decode graphs with each layer's add+RMSNorm inside the GEMV after it
-    (ops.NORM_GEMV: the QKV projection, the router or the MLP's gate/up) give the logits of
-    graphs that launch the norms alone, to bf16 rounding, and the same greedy token wherever
-    the top two logits are clearly apart, over eight steps that each read the K/V the steps
-    before stored."""
-    from pdserve.models import ops
+    (ops.NORM_GEMV: the QKV projection, the router or the MLP's gate/up) and the router's GEMV
+    and routing in one kernel (moe_kernel.FUSED_ROUTER) give the logits of graphs that launch
+    each alone, to bf16 rounding, and the same greedy token wherever the top two logits are
+    clearly apart, over eight steps that each read the K/V the steps before stored."""
+    from pdserve.models import moe_kernel, ops
 
     register_small_moe()
     results = []
-    for fused in (False, True):
-        monkeypatch.setattr(ops, "NORM_GEMV", fused)
+    for norm_gemv, fused_router in ((False, False), (True, False), (False, True), (True, True)):
+        monkeypatch.setattr(ops, "NORM_GEMV", norm_gemv)
+        monkeypatch.setattr(moe_kernel, "FUSED_ROUTER", fused_router)
         runner = ModelRunner(EngineConfig(model=model, page_size=16, num_pages=128,
                                           cuda_graph_max_bs=4), "decode")
         rng = random.Random(5)
@@ -149,12 +183,13 @@ def test_norms_fused_into_the_gemvs_compute_what_separate_norms_do(monkeypatch, 
             assert runner.graph_mode(seqs, None, eager=False)
             steps.append(runner.forward(seqs).float())
         results.append(steps)
-    for got, want in zip(results[1], results[0]):
-        tolerance = 0.02 * want.abs().max().item()
-        assert (got - want).abs().max().item() < tolerance
-        top2 = want.topk(2, dim=-1).values
-        clear = top2[:, 0] - top2[:, 1] > 2 * tolerance
-        assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+    for fused in results[1:]:
+        for got, want in zip(fused, results[0]):
+            tolerance = 0.02 * want.abs().max().item()
+            assert (got - want).abs().max().item() < tolerance
+            top2 = want.topk(2, dim=-1).values
+            clear = top2[:, 0] - top2[:, 1] > 2 * tolerance
+            assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
 
 
 def test_fused_experts_match_the_reference_loop_and_run_in_graphs():

@@ -35,9 +35,8 @@ FP8_QUERIES_FROM_ROPE = True
 SCHEDULE_ONCE = True
 MAX_SPLITS = 32
 # Decode graphs of at most this many (row, KV head) pairs run split_decode's kernels in place of
-# FA3's (0: never; 4 measured faster in bench/results/h200-moe-split-decode). Off until this
-# form of the kernels has run its GPU tests.
-SPLIT_KERNEL_TILES = 0
+# FA3's (0: never): faster at 4, slower at 8 and 16 (bench/results/h200-moe-split-decode).
+SPLIT_KERNEL_TILES = 4
 
 
 class FlashAttentionBackend(AttentionBackend):

@@ -62,6 +62,18 @@ def _gemv(x, w, bias, y, N, K: tl.constexpr, w_stride, residual, norm_w, residua
           EVEN: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr,
           KEEP_NORMED: tl.constexpr):
     pdl.start(PDL)
+    gemv_rows(x, w, bias, y, N, K, w_stride, residual, norm_w, residual_out, normed, eps,
+              HAS_BIAS, BLOCK_N, BLOCK_K, EVEN, UNROLL, PDL, NORM, KEEP_NORMED)
+    pdl.end(PDL)
+
+
+@triton.jit
+def gemv_rows(x, w, bias, y, N, K: tl.constexpr, w_stride, residual, norm_w, residual_out,
+              normed, eps, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              EVEN: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr,
+              KEEP_NORMED: tl.constexpr):
+    """One program's BLOCK_N rows of y (the kernel's body, between its pdl start and end; the
+    wait for the kernel before is inside, after the first weights' loads)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = w + rows[:, None].to(tl.int64) * w_stride
     # The first step's weights load before the wait for x, the kernel before's result.
@@ -102,7 +114,6 @@ def _gemv(x, w, bias, y, N, K: tl.constexpr, w_stride, residual, norm_w, residua
                     tl.store(normed + cols, _input(x, residual, norm_w, rstd, cols, K, EVEN,
                                                    NORM).to(normed.dtype.element_ty),
                              mask=cols < K)
-    pdl.end(PDL)
 
 
 # (BLOCK_N, BLOCK_K, warps) by weight shape (rows, columns), in place of _config's
@@ -112,6 +123,17 @@ TILES: dict[tuple[int, int], tuple[int, int, int]] = {}
 # qwen3-30b-a3b's batch-1 GEMVs 6% faster; llama3-8b's 14,336-column rows (7 steps) were
 # slower unrolled (bench/results/h200-moe-direct-launches/).
 UNROLL_MAX_STEPS = 2
+
+
+# norm_gemv computes the norm in every program: past this many normed elements in all
+# (programs x columns) that work costs more than the norm's launch saves (qwen3-30b-a3b's QKV,
+# 5,120 programs of 2,048: its step 7% slower; bench/results/h200-norm-in-gemv/).
+NORM_MAX_ELEMENTS = 1 << 22
+
+
+def norm_fits(n: int, k: int) -> bool:
+    """Whether norm_gemv pays for weights of ``n`` rows and ``k`` columns."""
+    return triton.cdiv(n, (TILES.get((n, k)) or _config(n, k))[0]) * k <= NORM_MAX_ELEMENTS
 
 
 def _config(n: int, k: int) -> tuple[int, int, int]:

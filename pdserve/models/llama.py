@@ -198,6 +198,11 @@ class DecoderLayer(nn.Module):
             rows, residual = ctx.ops.norm_fp8(h, residual, norm.weight, norm.eps)
             return self.mlp(rows, ctx), residual
         dense = isinstance(self.mlp, MLP)
+        if ctx.gemv and not dense:
+            routed = self.mlp.norm_route(h, residual, norm, ctx)
+            if routed is not None:
+                routing, h, residual = routed
+                return self.mlp(h, ctx, routing=routing), residual
         fused = _norm_linear(h, residual, norm,
                              self.mlp.gate_up_proj if dense else self.mlp.gate, ctx,
                              keep_normed=not dense)   # the experts read the normed row too
