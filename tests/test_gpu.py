@@ -211,31 +211,6 @@ def test_gemv_kernel_matches_linear(dtype, n, k, bias):
     torch.testing.assert_close(gemv(x, weight, b), expected, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("n, k, bias, keep", [(5120, 2048, False, True), (128, 2048, False, False),
-                                              (6144, 4096, True, True), (1000, 1000, True, True)])
-def test_norm_gemv_computes_the_norm_then_the_gemv(n, k, bias, keep):
-    """gemv_kernel.norm_gemv, the add+RMSNorm fused into the GEMV after it: the residual sum
-    exactly, the normed row to a rounding of norm_kernel's, and the GEMV of that row."""
-    from pdserve.models import gemv_kernel, norm_kernel
-
-    gen = torch.Generator(device=CUDA).manual_seed(n + k)
-    x = torch.randn(1, k, device=CUDA, generator=gen).bfloat16()
-    residual = torch.randn(1, k, device=CUDA, generator=gen).bfloat16()
-    norm_weight = (1 + torch.randn(k, device=CUDA, generator=gen) / 4).bfloat16()
-    weight = (torch.randn(n, k, device=CUDA, generator=gen) / k ** 0.5).bfloat16()
-    b = torch.randn(n, device=CUDA, generator=gen).bfloat16() if bias else None
-    inputs = x.clone(), residual.clone()
-    y, normed, summed = gemv_kernel.norm_gemv(x, residual, norm_weight, 1e-6, weight, b, keep)
-    assert torch.equal(x, inputs[0]) and torch.equal(residual, inputs[1])   # not in place
-    want_normed, want_sum = norm_kernel.add_rmsnorm(*inputs, norm_weight, 1e-6)
-    assert torch.equal(summed, want_sum)
-    if keep:
-        torch.testing.assert_close(normed, want_normed, atol=0, rtol=8e-3)
-    else:
-        assert normed is None
-    torch.testing.assert_close(y, gemv_kernel.gemv(want_normed, weight, b), atol=2e-2, rtol=2e-2)
-
-
 @pytest.mark.parametrize("rows, hidden", [(1, 2048), (4, 4096), (3, 1000)])
 def test_triton_add_rmsnorm_computes_what_flashinfers_does(rows, hidden):
     """norm_kernel's add+RMSNorm (a trial that launches dependently): the residual sum

@@ -85,16 +85,13 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 
-    def query(self, x: torch.Tensor | None, ctx: ForwardContext,
-              qkv: torch.Tensor | None = None) -> torch.Tensor:
-        """The queries of normed ``x`` (or of its projection ``qkv``), this layer's K/V stored
-        in the pool on the way (the fused (q/k norm,) RoPE + K/V store kernel)."""
+    def query(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The queries of normed ``x``, this layer's K/V stored in the pool on the way (the fused
+        (q/k norm,) RoPE + K/V store kernel)."""
         cfg = self.config
         pool = ctx.attn.pool
-        if qkv is None:
-            qkv = ctx.linear(self.qkv_proj, x)
         return ctx.ops.rope_store_kv(
-            qkv, ctx.batch.positions, ctx.batch.out_slots, ctx.cos_sin,
+            ctx.linear(self.qkv_proj, x), ctx.batch.positions, ctx.batch.out_slots, ctx.cos_sin,
             pool.k_cache(self.layer_id), pool.v_cache(self.layer_id), self.num_heads,
             self.num_kv_heads, cfg.head_dim, self.q_norm.weight if cfg.qk_norm else None,
             self.k_norm.weight if cfg.qk_norm else None, cfg.rms_norm_eps,
@@ -105,17 +102,12 @@ class Attention(nn.Module):
         """The output projection of the attention's ``out``."""
         return ctx.linear(self.o_proj, out.reshape(-1, self.q_size))
 
-    def forward(self, x: torch.Tensor | None, ctx: ForwardContext,
-                qkv: torch.Tensor | None = None) -> torch.Tensor:
-        """The attention of normed ``x``, or of its projection ``qkv`` where the norm's kernel
-        computed it (ops.norm_gemv)."""
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         cfg = self.config
-        if qkv is None:
-            qkv = ctx.linear(self.qkv_proj, x)
         if ctx.fuse_rope_kv:
-            return self.output(ctx.attn.attend(self.query(None, ctx, qkv), self.layer_id,
-                                               ctx.batch), ctx)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            return self.output(ctx.attn.attend(self.query(x, ctx), self.layer_id, ctx.batch), ctx)
+        q, k, v = ctx.linear(self.qkv_proj, x).split([self.q_size, self.kv_size, self.kv_size],
+                                                     dim=-1)
         q = q.view(-1, self.num_heads, cfg.head_dim)
         k = k.view(-1, self.num_kv_heads, cfg.head_dim)
         v = v.view(-1, self.num_kv_heads, cfg.head_dim)
@@ -143,12 +135,8 @@ class MLP(nn.Module):
             self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=config.mlp_bias)
             self.down_proj = nn.Linear(inter, config.hidden_size, bias=config.mlp_bias)
 
-    def forward(self, x: torch.Tensor | None, ctx: ForwardContext,
-                gate_up: torch.Tensor | None = None) -> torch.Tensor:
-        """The MLP of normed ``x``, or from its gate/up projection where the norm's kernel
-        computed it (ops.norm_gemv)."""
-        if gate_up is None:
-            gate_up = ctx.linear(self.gate_up_proj, x)
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        gate_up = ctx.linear(self.gate_up_proj, x)
         if ctx.fp8_rows and takes_fp8_rows(self.down_proj):
             return self.down_proj(ctx.ops.silu_and_mul_fp8(gate_up))
         return ctx.linear(self.down_proj, ctx.ops.silu_and_mul(gate_up))
@@ -164,10 +152,6 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
                 ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
-        fused = _norm_linear(x, residual, self.input_layernorm, self.self_attn.qkv_proj, ctx)
-        if fused is not None:
-            qkv, _, residual = fused
-            return self._after_attention(self.self_attn(None, ctx, qkv), residual, ctx)
         h, residual = self._norm_in(x, residual, ctx)
         return self._after_attention(self.self_attn(h, ctx), residual, ctx)
 
@@ -197,32 +181,8 @@ class DecoderLayer(nn.Module):
         if ctx.fp8_rows and isinstance(self.mlp, MLP) and takes_fp8_rows(self.mlp.gate_up_proj):
             rows, residual = ctx.ops.norm_fp8(h, residual, norm.weight, norm.eps)
             return self.mlp(rows, ctx), residual
-        dense = isinstance(self.mlp, MLP)
-        if ctx.gemv and not dense:
-            routed = self.mlp.norm_route(h, residual, norm, ctx)
-            if routed is not None:
-                routing, h, residual = routed
-                return self.mlp(h, ctx, routing=routing), residual
-        fused = _norm_linear(h, residual, norm,
-                             self.mlp.gate_up_proj if dense else self.mlp.gate, ctx,
-                             keep_normed=not dense)   # the experts read the normed row too
-        if fused is not None:
-            projected, h, residual = fused
-            return self.mlp(h, ctx, projected), residual
         h, residual = ctx.ops.add_rmsnorm(h, residual, norm.weight, norm.eps)
         return self.mlp(h, ctx), residual
-
-
-def _norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
-                 layer: nn.Module, ctx: ForwardContext, keep_normed: bool = False
-                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
-    """``layer`` of ``add_rmsnorm(x, residual)`` as one kernel (ops.norm_gemv) where the
-    step runs its linear layers as GEMVs: (the layer's output, the normed row if
-    ``keep_normed``, the residual sum), or None to run them apart."""
-    if not ctx.gemv or residual is None or not isinstance(layer, nn.Linear):
-        return None
-    return ctx.ops.norm_gemv(x, residual, norm.weight, norm.eps, layer.weight, layer.bias,
-                             keep_normed)
 
 
 def _mlp(config: ModelConfig, layer_id: int, tp: TPGroup | None) -> nn.Module:

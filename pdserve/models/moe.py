@@ -174,13 +174,10 @@ class SparseMoeBlock(nn.Module):
         if shared_expert is not None:
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
-    def route(self, x: torch.Tensor, ctx: ForwardContext, logits: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k routing weights and experts, [tokens, top_k] each: softmax over
-        the router's ``logits`` (computed here unless given) in float32, top-k, renormalised
-        where the family says."""
-        if logits is None:
-            logits = ctx.linear(self.gate, x)
+        the router's logits in float32, top-k, renormalised where the family says."""
+        logits = ctx.linear(self.gate, x)
         if ctx.ops.has_fused_experts and x.is_cuda:
             return ctx.ops.route_top_k(logits, self.top_k, self.norm_topk_prob,
                                        torch.float32 if self.float32_routing_weights else x.dtype)
@@ -192,25 +189,8 @@ class SparseMoeBlock(nn.Module):
             weights = weights.to(x.dtype)
         return weights, chosen
 
-    def norm_route(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
-                   ctx: ForwardContext
-                   ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor] | None:
-        """The add+RMSNorm before the block (``norm``), its router and routing in one kernel
-        where the step takes it (ops.norm_route): ((weights, chosen), the normed row, the
-        residual sum); None to run them apart."""
-        if not ctx.gemv or not isinstance(self.gate, nn.Linear):
-            return None
-        return ctx.ops.norm_route(x, residual, norm.weight, norm.eps, self.gate.weight,
-                                  self.top_k, self.norm_topk_prob,
-                                  torch.float32 if self.float32_routing_weights else x.dtype)
-
-    def forward(self, x: torch.Tensor, ctx: ForwardContext,
-                logits: torch.Tensor | None = None,
-                routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """The block's output for normed ``x``; ``logits``: the router's, or ``routing``:
-        (weights, chosen), where the norm's kernel computed them (ops.norm_gemv,
-        ops.norm_route)."""
-        weights, chosen = routing if routing is not None else self.route(x, ctx, logits)
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        weights, chosen = self.route(x, ctx)
         if ctx.ops.has_fused_experts and x.is_cuda:
             out = ctx.ops.fused_experts(x, self.experts, weights, chosen)
         elif torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():

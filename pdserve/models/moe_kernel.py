@@ -244,12 +244,17 @@ def _place_chunk(chosen, offsets, sorted_ids, count, EXPERTS_P: tl.constexpr,
 
 
 @triton.jit
-def _top_k(x, weights, chosen, EXPERTS_P: tl.constexpr, TOP_K: tl.constexpr,
-           TOP_K_P: tl.constexpr, RENORMALIZE: tl.constexpr):
-    """One token's routing from its router logits ``x`` (float32, -inf past the experts):
-    softmax, its top-k (the lowest index among equals first), renormalised if asked, stored
-    at ``weights`` and ``chosen``."""
+def _route(logits, weights, chosen, stride, EXPERTS: tl.constexpr, EXPERTS_P: tl.constexpr,
+           TOP_K: tl.constexpr, TOP_K_P: tl.constexpr, RENORMALIZE: tl.constexpr,
+           PDL: tl.constexpr):
+    """One token: softmax over its router logits (float32), its top-k (the lowest index among
+    equals first), renormalised if asked."""
+    pdl.start(PDL)
+    pdl.wait(PDL)
+    token = tl.program_id(0)
     experts = tl.arange(0, EXPERTS_P)
+    x = tl.load(logits + token * stride + experts, mask=experts < EXPERTS,
+                other=float("-inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, axis=0))
     p = p / tl.sum(p, axis=0)
     slots = tl.arange(0, TOP_K_P)
@@ -263,48 +268,9 @@ def _top_k(x, weights, chosen, EXPERTS_P: tl.constexpr, TOP_K: tl.constexpr,
         p = tl.where(experts == pick, -1.0, p)
     if RENORMALIZE:
         values = values / tl.sum(values, axis=0)
-    tl.store(weights + slots, values.to(weights.dtype.element_ty), mask=slots < TOP_K)
-    tl.store(chosen + slots, picks, mask=slots < TOP_K)
-
-
-@triton.jit
-def _route(logits, weights, chosen, stride, EXPERTS: tl.constexpr, EXPERTS_P: tl.constexpr,
-           TOP_K: tl.constexpr, TOP_K_P: tl.constexpr, RENORMALIZE: tl.constexpr,
-           PDL: tl.constexpr):
-    """One token's routing (_top_k) from its row of ``logits``."""
-    pdl.start(PDL)
-    pdl.wait(PDL)
-    token = tl.program_id(0)
-    experts = tl.arange(0, EXPERTS_P)
-    x = tl.load(logits + token * stride + experts, mask=experts < EXPERTS,
-                other=float("-inf")).to(tl.float32)
-    _top_k(x, weights + token * TOP_K, chosen + token * TOP_K, EXPERTS_P, TOP_K, TOP_K_P,
-           RENORMALIZE)
-    pdl.end(PDL)
-
-
-@triton.jit
-def _norm_route(x, gate, logits, weights, chosen, arrived, residual, norm_w, residual_out,
-                normed, eps, EXPERTS: tl.constexpr, EXPERTS_P: tl.constexpr, K: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-                TOP_K: tl.constexpr, TOP_K_P: tl.constexpr, RENORMALIZE: tl.constexpr,
-                NORM: tl.constexpr, PDL: tl.constexpr):
-    """One token's router GEMV (after its add+RMSNorm with NORM, as gemv_kernel.norm_gemv),
-    then, in the program that stores the last logits, its routing (_top_k)."""
-    pdl.start(PDL)
-    gemv_kernel.gemv_rows(x, gate, gate, logits, EXPERTS, K, K, residual, norm_w, residual_out,
-                          normed, eps, False, BLOCK_N, BLOCK_K, EVEN, True, PDL, NORM, NORM)
-    # The barrier puts the program's stores before its release (the counter's add); the add's
-    # acquire, then the barrier, puts every program's logits before the last one's loads.
-    tl.debug_barrier()
-    if tl.atomic_add(arrived, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-        tl.debug_barrier()
-        experts = tl.arange(0, EXPERTS_P)
-        # .cg: from L2, where the other programs' stores are, not a stale L1 line.
-        values = tl.load(logits + experts, mask=experts < EXPERTS, other=float("-inf"),
-                         cache_modifier=".cg").to(tl.float32)
-        _top_k(values, weights, chosen, EXPERTS_P, TOP_K, TOP_K_P, RENORMALIZE)
-        tl.store(arrived, 0)   # for the next launch
+    tl.store(weights + token * TOP_K + slots, values.to(weights.dtype.element_ty),
+             mask=slots < TOP_K)
+    tl.store(chosen + token * TOP_K + slots, picks, mask=slots < TOP_K)
     pdl.end(PDL)
 
 
@@ -324,48 +290,6 @@ def route_top_k(logits: torch.Tensor, top_k: int, renormalize: bool,
                           PDL=dependent, launch_pdl=dependent > 0,
                           num_warps=1)   # its reductions in one warp's shuffles: 2.1 us, not 3.2
     return weights, chosen
-
-
-# One-row decode graphs of a mixture of experts run the router's GEMV and the routing as one
-# kernel (norm_route), with the add+RMSNorm before them where ops.NORM_GEMV (False: a GEMV, a
-# routing kernel, and the norm before them, three launches).
-FUSED_ROUTER = True
-_arrival_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def norm_route(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None,
-               eps: float, gate: torch.Tensor, top_k: int, renormalize: bool,
-               dtype: torch.dtype = torch.float32
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """route_top_k of one token's router logits ``x @ gate.T`` in one launch: the last of
-    the GEMV's programs to store its logits routes (an arrival counter). With
-    ``residual`` and ``norm_weight``, ``x`` is first ``add_rmsnorm``ed as in
-    gemv_kernel.norm_gemv. Returns (weights, chosen, the normed row, the residual sum), the
-    last two None without a norm. The counter is one a device: one-row decode graphs, the
-    only callers, replay one at a time."""
-    experts, k = gate.shape
-    assert x.shape == (1, k) and x.stride(-1) == 1 and gate.is_contiguous(), (x.shape, k)
-    if x.device not in _arrival_counters:
-        assert x.device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), \
-            "the first call is outside a capture (the counter's zeros)"
-        _arrival_counters[x.device] = torch.zeros(1, dtype=torch.int32, device=x.device)
-    logits = torch.empty(1, experts, dtype=x.dtype, device=x.device)
-    weights = torch.empty(1, top_k, dtype=dtype, device=x.device)
-    chosen = torch.empty(1, top_k, dtype=torch.int32, device=x.device)
-    norm = residual is not None and norm_weight is not None
-    residual_out = torch.empty_like(x) if norm else None
-    normed = torch.empty_like(x) if norm else None
-    block_k = min(2048, triton.next_power_of_2(k))
-    dependent = pdl.mode(x.device, "route")
-    _norm_route[(experts,)](
-        x, gate, logits, weights, chosen, _arrival_counters[x.device],
-        residual if norm else x, norm_weight if norm else x,
-        residual_out if norm else x, normed if norm else x, eps, EXPERTS=experts,
-        EXPERTS_P=triton.next_power_of_2(experts), K=k, BLOCK_N=1, BLOCK_K=block_k,
-        EVEN=k % block_k == 0, TOP_K=top_k, TOP_K_P=triton.next_power_of_2(top_k),
-        RENORMALIZE=renormalize, NORM=norm, PDL=dependent, launch_pdl=dependent > 0,
-        num_warps=1)   # the routing's reductions in one warp's shuffles, as route_top_k's
-    return weights, chosen, normed, residual_out
 
 
 # Assignments up to this many are sorted by one Triton program (decode batches: one launch

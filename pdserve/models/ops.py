@@ -12,11 +12,6 @@ from pdserve.models.fp8_gemm import Fp8Rows, quantize_rows
 # Steps of up to this many rows run norm_kernel's add+RMSNorm, which lets the next launch start
 # first thing, where FlashInfer's lets it start after its stores (0: FlashInfer's always).
 TRITON_ADD_RMSNORM_ROWS = 8
-# One-row steps in CUDA graphs run the add+RMSNorm before a layer's first projection inside its
-# GEMV where that pays (gemv_kernel.norm_gemv, norm_fits), and a mixture of experts' before its
-# router in the routing kernel (moe_kernel.norm_route): a launch less each (False: the norms
-# launch alone).
-NORM_GEMV = True
 
 
 class TorchOps:
@@ -30,24 +25,6 @@ class TorchOps:
              bias: torch.Tensor | None = None) -> torch.Tensor:
         """A linear layer for one row of ``x``."""
         return F.linear(x, weight, bias)
-
-    def norm_gemv(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                  eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  keep_normed: bool = False
-                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
-        """``add_rmsnorm`` of one row, then ``gemv`` of the normed row, as one kernel: (the
-        GEMV's output, the normed row if ``keep_normed``, the residual sum); None where there
-        is no such kernel (the caller runs the two)."""
-        return None
-
-    def norm_route(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                   eps: float, gate: torch.Tensor, top_k: int, renormalize: bool,
-                   dtype: torch.dtype
-                   ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor] | None:
-        """``add_rmsnorm`` of one row, the router ``gate``'s logits of the normed row and
-        ``route_top_k`` of them, as one kernel: ((weights, chosen), the normed row, the
-        residual sum); None where there is no such kernel."""
-        return None
 
     def fuses_rope_kv(self, head_dim: int) -> bool:
         """Whether ``rope_store_kv`` (RoPE + the K/V store in one kernel) takes this head dim."""
@@ -152,34 +129,6 @@ class CudaOps(TorchOps):
         from pdserve.models.gemv_kernel import gemv
 
         return gemv(x, weight, bias)
-
-    def norm_gemv(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                  eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  keep_normed: bool = False
-                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
-        from pdserve.models import gemv_kernel
-
-        if not NORM_GEMV or not gemv_kernel.norm_fits(*weight.shape):
-            return None
-        return gemv_kernel.norm_gemv(x, residual, norm_weight, eps, weight, bias, keep_normed)
-
-    def norm_route(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                   eps: float, gate: torch.Tensor, top_k: int, renormalize: bool,
-                   dtype: torch.dtype
-                   ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor] | None:
-        from pdserve.models import moe_kernel
-
-        if not moe_kernel.FUSED_ROUTER:
-            return None
-        if not NORM_GEMV:   # the norm alone, then the router and routing
-            normed, residual = self.add_rmsnorm(x, residual, norm_weight, eps)
-            weights, chosen, _, _ = moe_kernel.norm_route(normed, None, None, eps, gate, top_k,
-                                                          renormalize, dtype)
-            return (weights, chosen), normed, residual
-        weights, chosen, normed, residual = moe_kernel.norm_route(
-            x, residual, norm_weight, eps, gate, top_k, renormalize, dtype)
-        assert normed is not None and residual is not None
-        return (weights, chosen), normed, residual
 
     has_fused_experts = True
 
