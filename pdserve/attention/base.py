@@ -2,26 +2,13 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
     from pdserve.engine.batch import ForwardBatch
     from pdserve.kvcache.pool import KVPool
-
-
-class Rope(NamedTuple):
-    """What RoPE + K/V reads besides the QKV projection (rope_kv_kernel.rope_store_kv's
-    arguments): positions and slots [rows] int64, the float32 cos/sin table [positions, dim],
-    Qwen3's per-head norm weights (None elsewhere) and their epsilon."""
-
-    positions: torch.Tensor
-    slots: torch.Tensor
-    cos_sin: torch.Tensor
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    eps: float
 
 
 class AttentionBackend(ABC):
@@ -42,9 +29,6 @@ class AttentionBackend(ABC):
         # the RoPE + K/V store before it then lets it launch first thing, else at its end
         # (FlashInfer's decode kernel, let launch early, held slots the kernels before needed).
         self.early_launch = False
-        # Whether attend_rope may take a step's RoPE + K/V store (its decode graphs' kernel does
-        # that work itself).
-        self.rope_in_attend = False
 
     @abstractmethod
     def prepare_metadata(self, batch: ForwardBatch) -> None:
@@ -60,14 +44,6 @@ class AttentionBackend(ABC):
     def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
         """Attention of q [tokens, heads, dim] over the pool, the step's own K/V already stored
         (by ``store_kv`` or by a kernel that fuses the store into RoPE)."""
-
-    def attend_rope(self, qkv: torch.Tensor, layer_id: int, batch: ForwardBatch,
-                    rope: Rope) -> torch.Tensor | None:
-        """``attend`` of the queries that RoPE + K/V would make of ``qkv`` (the layer's QKV
-        projection, [tokens, (heads + 2 KV heads) * dim]), that step's K/V stored on the way,
-        in one kernel; None where this step does not take it (the caller runs RoPE + K/V, then
-        ``attend``)."""
-        return None
 
     def own_prompt_workspace(self) -> None:
         """Gives prompt steps their own scratch memory where decode's steps share it with them

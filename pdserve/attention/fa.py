@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.attention.base import AttentionBackend, Rope
+from pdserve.attention.base import AttentionBackend
 from pdserve.engine.batch import ForwardBatch, upload
 from pdserve.kvcache.kv_dtype import FP8_E4M3, quantize_fp8
 from pdserve.kvcache.pool import NULL_PAGE, KVPool
@@ -37,8 +37,6 @@ MAX_SPLITS = 32
 # Decode graphs of at most this many (row, KV head) pairs run split_decode's kernels in place of
 # FA3's (0: never): faster at 4, slower at 8 and 16 (bench/results/h200-moe-split-decode).
 SPLIT_KERNEL_TILES = 4
-# The split kernel does RoPE + K/V's work itself (split_decode.py): a launch less a layer.
-ROPE_IN_SPLIT = True
 
 
 class FlashAttentionBackend(AttentionBackend):
@@ -106,19 +104,6 @@ class FlashAttentionBackend(AttentionBackend):
                 softmax_scale=self.scale, causal=True, **extra)
         return out if out.dtype == self.q_dtype else out.to(self.q_dtype)
 
-    def attend_rope(self, qkv: torch.Tensor, layer_id: int, batch: ForwardBatch,
-                    rope: Rope) -> torch.Tensor | None:
-        """The split kernels' attention with RoPE + K/V inside, for the decode graphs they
-        run."""
-        graph = batch.attn_metadata
-        tiles = qkv.shape[0] * self.pool.layout.num_kv_heads
-        if graph is None or self._split_kernel is None or tiles > SPLIT_KERNEL_TILES:
-            return None
-        table, lens = graph
-        return self._split_kernel(qkv, self.pool.k_cache(layer_id), self.pool.v_cache(layer_id),
-                                  table, lens, self.scale, min(MAX_SPLITS, self._sms // tiles),
-                                  rope)
-
     def _shared_splits(self, rows: int) -> int:
         """The most key splits a decode graph of ``rows`` rows may use when its layers share
         one schedule, or 0 to let each layer schedule itself. Shared only where the rows leave
@@ -144,7 +129,6 @@ class FlashAttentionBackend(AttentionBackend):
             self._split_kernel = SplitDecode(self.num_heads, self.pool.layout.num_kv_heads,
                                              self.head_dim, self._sms, device)
             self.early_launch = True
-            self.rope_in_attend = ROPE_IN_SPLIT
 
     def prepare_for_capture(self, batch: ForwardBatch) -> None:
         self.prepare_for_replay(batch)

@@ -5,10 +5,7 @@ splits. FA3 does the same in its split and combine kernels, launched one after t
 A split program loads its page-table entries and its first block of keys and values before it
 waits for the kernel before: only the row's newest key (stored by RoPE + K/V in the same step)
 and the queries depend on it, and the page table and lengths are copied in before the graph
-runs. Given the QKV projection's output instead of the queries (``rope``), the split kernel does
-RoPE + K/V's work itself: each program rotates (and, for Qwen3, norms) its queries and the
-row's newest key as rope_kv_kernel does, uses them, and the program whose keys hold the newest
-stores its K and V in the pool; a launch less a layer.
+runs.
 
 Per split: softmax of q.k scaled (float32) with a running max, p rounded to the pool's dtype
 for p.v as FlashAttention does; the merge weights each split's normalised output by
@@ -20,7 +17,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.attention.base import Rope
 from pdserve.models import pdl
 
 BLOCK_N = 32       # keys a loop step
@@ -42,29 +38,6 @@ def _block(qv, k, v, valid, m, total, acc, scale):
 
 
 @triton.jit
-def _rotated(src, mask, dims, norm_w, cos_sin, pos, eps, HEAD_DIM: tl.constexpr,
-             QK_NORM: tl.constexpr):
-    """Heads [rows of ``src``, HEAD_DIM] after the per-head RMSNorm (QK_NORM) and Neox RoPE at
-    ``pos``, in the activations' dtype, as rope_kv_kernel computes them: each dim beside its
-    partner half a head away."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    partner = (dims + HALF) % HEAD_DIM
-    x = tl.load(src + dims[None, :], mask=mask, other=0.0)
-    a = x.to(tl.float32)
-    b = tl.load(src + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-    if QK_NORM:
-        rstd = tl.rsqrt(tl.sum(a * a, axis=1) / HEAD_DIM + eps)[:, None]
-        a = (tl.load(norm_w + dims).to(tl.float32)[None, :]
-             * (a * rstd).to(x.dtype).to(tl.float32)).to(x.dtype).to(tl.float32)
-        b = (tl.load(norm_w + partner).to(tl.float32)[None, :]
-             * (b * rstd).to(x.dtype).to(tl.float32)).to(x.dtype).to(tl.float32)
-    cos = tl.load(cos_sin + pos * HEAD_DIM + dims % HALF)[None, :]
-    sin = tl.load(cos_sin + pos * HEAD_DIM + HALF + dims % HALF)[None, :]
-    # First half a * cos - partner * sin, second half a * cos + partner * sin.
-    return (a * cos + tl.where(dims < HALF, -1.0, 1.0)[None, :] * b * sin).to(x.dtype)
-
-
-@triton.jit
 def _chunk(length, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr):
     """Keys a split of a row of ``length`` keys takes: whole blocks, at least MIN_CHUNK."""
     return tl.maximum(tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N, MIN_CHUNK)
@@ -72,11 +45,10 @@ def _chunk(length, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.co
 
 @triton.jit
 def _split(q, k_cache, v_cache, table, lens, out, part_o, part_lse, scale, table_stride,
-           q_stride, out_stride, positions, slots, cos_sin, q_norm_w, k_norm_w, eps,
-           GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr,
-           PAGE: tl.constexpr, KV_HEADS: tl.constexpr, SPLITS: tl.constexpr,
-           BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, ROPE: tl.constexpr,
-           QK_NORM: tl.constexpr, PDL: tl.constexpr):
+           q_stride, out_stride, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+           HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, KV_HEADS: tl.constexpr,
+           SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr,
+           PDL: tl.constexpr):
     pdl.start(PDL)
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -95,30 +67,15 @@ def _split(q, k_cache, v_cache, table, lens, out, part_o, part_lse, scale, table
         * HEAD_DIM + dims[None, :]
     k = tl.load(k_cache + offsets, mask=old[:, None], other=0.0)
     v = tl.load(v_cache + offsets, mask=old[:, None], other=0.0)
+    pdl.wait(PDL)
+    new = valid & (keys == length - 1)
+    k = tl.where(new[:, None], tl.load(k_cache + offsets, mask=new[:, None], other=0.0), k)
+    v = tl.where(new[:, None], tl.load(v_cache + offsets, mask=new[:, None], other=0.0), v)
     heads = tl.arange(0, GROUP_P)
     real = heads < GROUP
     q_heads = kv_head * GROUP + heads
-    pdl.wait(PDL)
-    new = valid & (keys == length - 1)
-    if ROPE:   # q holds the row's QKV projection: queries, keys, values side by side
-        pos = tl.load(positions + row).to(tl.int64)
-        qv = _rotated(q + row * q_stride + q_heads[:, None] * HEAD_DIM, real[:, None], dims,
-                      q_norm_w, cos_sin, pos, eps, HEAD_DIM, QK_NORM)
-        k_row = q + row * q_stride + (KV_HEADS * GROUP + kv_head) * HEAD_DIM
-        k_new = _rotated(k_row + tl.zeros([1, 1], tl.int32), dims[None, :] >= 0, dims, k_norm_w,
-                         cos_sin, pos, eps, HEAD_DIM, QK_NORM)
-        v_new = tl.load(k_row + KV_HEADS * HEAD_DIM + dims)[None, :]
-        if (start <= length - 1) & (length - 1 < end):   # this split holds the newest key
-            at = (tl.load(slots + row).to(tl.int64) * KV_HEADS + kv_head) * HEAD_DIM + dims
-            tl.store(k_cache + at[None, :], k_new.to(k_cache.dtype.element_ty))
-            tl.store(v_cache + at[None, :], v_new.to(v_cache.dtype.element_ty))
-        k = tl.where(new[:, None], k_new.to(k.dtype), k)
-        v = tl.where(new[:, None], v_new.to(v.dtype), v)
-    else:
-        k = tl.where(new[:, None], tl.load(k_cache + offsets, mask=new[:, None], other=0.0), k)
-        v = tl.where(new[:, None], tl.load(v_cache + offsets, mask=new[:, None], other=0.0), v)
-        qv = tl.load(q + row * q_stride + q_heads[:, None] * HEAD_DIM + dims[None, :],
-                     mask=real[:, None], other=0.0)
+    qv = tl.load(q + row * q_stride + q_heads[:, None] * HEAD_DIM + dims[None, :],
+                 mask=real[:, None], other=0.0)
     m = tl.full([GROUP_P], float("-inf"), tl.float32)
     total = tl.zeros([GROUP_P], tl.float32)
     acc = tl.zeros([GROUP_P, HEAD_DIM], tl.float32)
@@ -131,10 +88,6 @@ def _split(q, k_cache, v_cache, table, lens, out, part_o, part_lse, scale, table
             * HEAD_DIM + dims[None, :]
         k = tl.load(k_cache + offsets, mask=valid[:, None], other=0.0)
         v = tl.load(v_cache + offsets, mask=valid[:, None], other=0.0)
-        if ROPE:   # the newest key, if in this block, is the one rotated above
-            new = valid & (keys == length - 1)
-            k = tl.where(new[:, None], k_new.to(k.dtype), k)
-            v = tl.where(new[:, None], v_new.to(v.dtype), v)
         m, total, acc = _block(qv, k, v, valid, m, total, acc, scale)
     seen = total > 0   # an empty split (past the row's keys, or a padding row) weighs 0
     normalised = acc / tl.where(seen, total, 1.0)[:, None]
@@ -189,32 +142,21 @@ class SplitDecode:
         self.part_lse = torch.empty(tiles * self.group, dtype=torch.float32, device=device)
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 table: torch.Tensor, lens: torch.Tensor, scale: float, splits: int,
-                 rope: Rope | None = None) -> torch.Tensor:
-        """q [rows, heads, dim], or with ``rope`` the rows' QKV projection [rows, (heads + 2
-        KV heads) * dim] (RoPE + K/V done here: the new K/V stored at ``rope.slots``); caches
-        [pages, page size, KV heads, dim]; table [rows, pages] int32; lens [rows] int32 (each
-        row's keys, its new one included). Returns [rows, heads, dim]."""
-        _, page, kv_heads, dim = k_cache.shape
-        rows, heads = q.shape[0], self.group * kv_heads
+                 table: torch.Tensor, lens: torch.Tensor, scale: float,
+                 splits: int) -> torch.Tensor:
+        """q [rows, heads, dim]; caches [pages, page size, KV heads, dim]; table [rows, pages]
+        int32; lens [rows] int32 (each row's keys, its new one included)."""
+        rows, heads, dim = q.shape
+        _, page, kv_heads, _ = k_cache.shape
         assert rows * kv_heads * splits <= self.tiles
-        assert q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
-        if rope is None:
-            assert q.shape == (rows, heads, dim) and q.stride(1) == dim, q.shape
-        else:
-            assert q.shape == (rows, (heads + 2 * kv_heads) * dim), q.shape
+        assert q.stride(2) == 1 and q.stride(1) == dim and k_cache.is_contiguous()
         out = torch.empty(rows, heads, dim, dtype=q.dtype, device=q.device)
         dependent = pdl.mode(q.device, "split_decode")
-        r = rope or Rope(lens, lens, self.part_lse, None, None, 0.0)   # unread without ROPE
         _split[(rows, kv_heads, splits)](
             q, k_cache, v_cache, table, lens, out, self.part_o, self.part_lse, scale,
-            table.stride(0), q.stride(0), out.stride(0), r.positions, r.slots, r.cos_sin,
-            r.q_norm if r.q_norm is not None else r.cos_sin,
-            r.k_norm if r.k_norm is not None else r.cos_sin, r.eps, GROUP=self.group,
-            GROUP_P=self.group_p, HEAD_DIM=dim, PAGE=page, KV_HEADS=kv_heads, SPLITS=splits,
-            BLOCK_N=BLOCK_N, MIN_CHUNK=MIN_CHUNK, ROPE=rope is not None,
-            QK_NORM=r.q_norm is not None, PDL=dependent, num_warps=WARPS,
-            launch_pdl=dependent > 0)
+            table.stride(0), q.stride(0), out.stride(0), GROUP=self.group, GROUP_P=self.group_p,
+            HEAD_DIM=dim, PAGE=page, KV_HEADS=kv_heads, SPLITS=splits, BLOCK_N=BLOCK_N,
+            MIN_CHUNK=MIN_CHUNK, PDL=dependent, num_warps=WARPS, launch_pdl=dependent > 0)
         if splits > 1:
             dependent = pdl.mode(q.device, "split_merge")
             _merge[(rows, heads)](

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.attention.base import Rope
 from pdserve.models.config import ModelConfig
 from pdserve.models.fp8 import takes_fp8_rows
 from pdserve.models.layers import RMSNorm, rope_cos_sin
@@ -99,23 +98,12 @@ class Attention(nn.Module):
             pool.k_scales[self.layer_id], pool.v_scales[self.layer_id], ctx.attn.fp8_queries,
             ctx.attn.early_launch)
 
-    def _rope(self, ctx: ForwardContext) -> Rope:
-        cfg = self.config
-        return Rope(ctx.batch.positions, ctx.batch.out_slots, ctx.cos_sin,
-                    self.q_norm.weight if cfg.qk_norm else None,
-                    self.k_norm.weight if cfg.qk_norm else None, cfg.rms_norm_eps)
-
     def output(self, out: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The output projection of the attention's ``out``."""
         return ctx.linear(self.o_proj, out.reshape(-1, self.q_size))
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         cfg = self.config
-        if ctx.fuse_rope_kv and ctx.attn.rope_in_attend:
-            out = ctx.attn.attend_rope(ctx.linear(self.qkv_proj, x), self.layer_id, ctx.batch,
-                                       self._rope(ctx))
-            if out is not None:
-                return self.output(out, ctx)
         if ctx.fuse_rope_kv:
             return self.output(ctx.attn.attend(self.query(x, ctx), self.layer_id, ctx.batch), ctx)
         q, k, v = ctx.linear(self.qkv_proj, x).split([self.q_size, self.kv_size, self.kv_size],
