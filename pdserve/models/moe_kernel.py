@@ -456,9 +456,13 @@ def _row_products(x_row, w_rows, K: tl.constexpr, w_scales, scale_cols,
 def _direct_gate_up(x, w, h, chosen, w_scale, inter, K: tl.constexpr, top_k, stride_xm,
                     stride_we, stride_wn, stride_hm, stride_se, stride_sn, scale_cols,
                     W_SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    UNROLL: tl.constexpr, PDL: tl.constexpr):
-    pdl.start(PDL)
-    pdl.wait(PDL)
+                    UNROLL: tl.constexpr, PDL: tl.constexpr, DOWN_EARLY: tl.constexpr):
+    if DOWN_EARLY:   # the down kernel launches once every program here has waited for routing
+        pdl.wait(PDL)
+        pdl.start(PDL)
+    else:
+        pdl.start(PDL)
+        pdl.wait(PDL)
     assignment = tl.program_id(0)
     expert = tl.load(chosen + assignment).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -483,26 +487,37 @@ def _direct_gate_up(x, w, h, chosen, w_scale, inter, K: tl.constexpr, top_k, str
 def _direct_down_sum(h, w, out, chosen, weights, hidden, stride_hm, stride_we, stride_wn,
                      stride_om, w_scale, stride_se, stride_sn, scale_cols, INTER: tl.constexpr,
                      TOP_K: tl.constexpr, TOP_K_P: tl.constexpr, W_SCALES: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                     EARLY: tl.constexpr):
     """BLOCK_N output columns of one token: each of its experts' down rows times its SiLU-and-mul
     row, weighted, rounded and summed. Every expert's rows are loaded in one tile, reduced once:
-    a reduction per expert would wait for each expert's loads in turn."""
+    a reduction per expert would wait for each expert's loads in turn. EARLY: the experts and
+    the first step's weights load before the wait for gate/up, which launched this kernel only
+    after its own wait for the routing that wrote them (from L2: an L1 line may hold an earlier
+    layer's experts at that address)."""
     pdl.start(PDL)
-    pdl.wait(PDL)
+    if not EARLY:
+        pdl.wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     rows = tl.minimum(tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N), hidden - 1)
     slots = tl.arange(0, TOP_K_P)
     live = slots < TOP_K
     assignment = token * TOP_K + slots
-    expert = tl.load(chosen + assignment, mask=live, other=0).to(tl.int64)
+    expert = tl.load(chosen + assignment, mask=live, other=0, cache_modifier=".cg").to(tl.int64)
     w_rows = (w + expert[:, None] * stride_we + rows[None, :].to(tl.int64) * stride_wn)[:, :, None]
     h_rows = (h + assignment * stride_hm)[:, None, None]
     s_rows = w_scale + expert[:, None] * stride_se + rows[None, :] * stride_sn
     ks = tl.arange(0, BLOCK_K)[None, None, :]
+    first = tl.load(w_rows + ks, mask=live[:, None, None] & (ks < INTER), other=0.0)
+    if EARLY:
+        pdl.wait(PDL)
     acc = tl.zeros([TOP_K_P, BLOCK_N, BLOCK_K], tl.float32)
     for start in tl.static_range(0, INTER, BLOCK_K):   # unrolled: every step's loads at once
         mask = live[:, None, None] & (start + ks < INTER)
-        y = tl.load(w_rows + start + ks, mask=mask, other=0.0).to(tl.float32)
+        if start == 0:
+            y = first.to(tl.float32)
+        else:
+            y = tl.load(w_rows + start + ks, mask=mask, other=0.0).to(tl.float32)
         if W_SCALES == 2:
             y = y * tl.load(s_rows + start // scale_cols, mask=live[:, None], other=0.0)[:, :, None]
         acc += y * tl.load(h_rows + start + ks, mask=mask, other=0.0).to(tl.float32)
@@ -537,6 +552,9 @@ def takes_direct(tokens: int, top_k: int, num_experts: int) -> bool:
     return assignments <= (1 + DIRECT_MAX_REREAD) * distinct + 1e-9
 
 
+# Launched dependently, gate/up lets the down kernel launch only after its own wait for the
+# routing, and down loads its experts and first weights before it waits for gate/up.
+DOWN_EARLY = True
 # 16-bit experts' tilings of the direct kernels by weight name, (BLOCK_N, BLOCK_K, warps), in
 # place of _direct_plan's (bench/moe_direct.py sweeps them).
 DIRECT_TILES: dict[str, tuple[int, int, int]] = {}
@@ -581,6 +599,7 @@ def direct_experts(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Ten
     chosen = chosen.reshape(-1).contiguous()
     h = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
     gate_pdl, down_pdl = pdl.mode(x.device, "gate_up"), pdl.mode(x.device, "down")
+    early = DOWN_EARLY and gate_pdl > 0 and down_pdl > 0
     gate_scale = experts.gate_up_proj_scale if gate_mode else gate_up
     _direct_gate_up[(tokens * top_k, triton.cdiv(inter, gate_n))](
         x, gate_up, h, chosen, gate_scale, inter, hidden, top_k, x.stride(0), gate_up.stride(0),
@@ -588,7 +607,7 @@ def direct_experts(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Ten
         gate_scale.stride(1) if gate_mode else 0, experts.scale_cols.get("gate_up_proj", 1),
         W_SCALES=gate_mode, BLOCK_N=gate_n, BLOCK_K=gate_k,
         UNROLL=triton.cdiv(hidden, gate_k) <= gemv_kernel.UNROLL_MAX_STEPS, PDL=gate_pdl,
-        num_warps=gate_warps, launch_pdl=gate_pdl > 0)
+        DOWN_EARLY=early, num_warps=gate_warps, launch_pdl=gate_pdl > 0)
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     down_scale = experts.down_proj_scale if down_mode else down
     weights = weights.reshape(-1).contiguous()
@@ -597,7 +616,7 @@ def direct_experts(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Ten
         down.stride(1), out.stride(0), down_scale, down_scale.stride(0) if down_mode else 0,
         down_scale.stride(1) if down_mode else 0, experts.scale_cols.get("down_proj", 1),
         INTER=inter, TOP_K=top_k, TOP_K_P=triton.next_power_of_2(top_k), W_SCALES=down_mode,
-        BLOCK_N=down_n, BLOCK_K=down_k, PDL=down_pdl, num_warps=down_warps,
+        BLOCK_N=down_n, BLOCK_K=down_k, PDL=down_pdl, EARLY=early, num_warps=down_warps,
         launch_pdl=down_pdl > 0)
     return out
 
