@@ -86,6 +86,47 @@ def matmul_flops_per_s(n: int = 8192) -> float:
     return 2 * n ** 3 / (ms / 1e3)
 
 
+# Where --set looks for a switch's module, in this order.
+SETTING_PACKAGES = ("pdserve.models.", "pdserve.attention.", "pdserve.engine.")
+
+
+def apply_settings(items: list[str]) -> dict[str, str]:
+    """Sets ``MODULE.NAME=VALUE`` switches (``--set``: a module of pdserve.models, .attention or
+    .engine, a name it has, a Python literal) before a runner is built, so that a kernel switch
+    can be measured both ways without a flag of its own; returns them as given, by full name,
+    for the results. ValueError says which one is wrong and why."""
+    import ast
+    import importlib
+
+    applied: dict[str, str] = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        module_name, _, attr = name.rpartition(".")
+        if not sep or not module_name or not attr:
+            raise ValueError(f"--set {item!r}: give MODULE.NAME=VALUE, such as "
+                             "fa.SPLIT_KERNEL_TILES=0")
+        module = None
+        for package in SETTING_PACKAGES:
+            try:
+                module = importlib.import_module(package + module_name)
+                break
+            except ModuleNotFoundError as e:
+                if e.name != package + module_name:   # the module exists; its import failed
+                    raise
+        if module is None:
+            raise ValueError(f"--set {item!r}: no module {module_name!r} in "
+                             f"{', '.join(p.rstrip('.') for p in SETTING_PACKAGES)}")
+        if not hasattr(module, attr):
+            raise ValueError(f"--set {item!r}: {module.__name__} has no {attr}")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"--set {item!r}: {text!r} is not a Python literal") from None
+        setattr(module, attr, value)
+        applied[f"{module.__name__}.{attr}"] = text
+    return applied
+
+
 def write_results(path: str, name: str, results: dict[str, Any]) -> None:
     import torch
 

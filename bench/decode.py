@@ -28,7 +28,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import copy_bandwidth_bytes_per_s, cuda_time_ms, write_results  # noqa: E402
+from common import (  # noqa: E402
+    apply_settings,
+    copy_bandwidth_bytes_per_s,
+    cuda_time_ms,
+    write_results,
+)
 
 from pdserve.config import EngineConfig  # noqa: E402
 from pdserve.engine.batch import SeqInput  # noqa: E402
@@ -149,6 +154,9 @@ def main() -> None:
     parser.add_argument("--tensor-core-min-batch", type=int, default=-1, metavar="N",
                         help="decode attention on tensor cores from batch N whatever the head "
                              "grouping (fi.TENSOR_CORE_MIN_BATCH; default the backend's rule)")
+    parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                        help="a kernel switch set before the runner is built, such as "
+                             "fa.SPLIT_KERNEL_TILES=0 or pdl.ENABLED=False (repeatable)")
     parser.add_argument("--out", default="bench/results/decode.json")
     args = parser.parse_args()
     try:
@@ -171,6 +179,10 @@ def main() -> None:
         from pdserve.attention import fi
         fi.TENSOR_CORE_MIN_GROUP = 1 << 30
         fi.TENSOR_CORE_MIN_BATCH = args.tensor_core_min_batch
+    try:   # last: a --set overrides the flags above
+        settings = apply_settings(args.set)
+    except ValueError as e:
+        parser.error(str(e))
     pages_per_seq = -(-(args.context + 1) // args.page_size)
     runner = ModelRunner(EngineConfig(model=model, page_size=args.page_size,
                                       num_pages=max(sizes) * pages_per_seq + 64,
@@ -222,7 +234,7 @@ def main() -> None:
         "attention_backend": runner.backend_name, "layer_kernels": runner.model.ops.name,
         "fused_rope_kv": runner.model.fuse_rope_kv, "triton_gemv": runner.model.use_gemv,
         "fused_fp8_quant": runner.model.fuse_fp8_quant, "moe_direct_max": args.moe_direct_max,
-        "moe_direct_tiles": args.moe_direct_tiles,
+        "moe_direct_tiles": args.moe_direct_tiles, "settings": settings,
         "weight_bytes": model_bytes, "expert_bytes": expert_bytes,
         "unread_embedding_bytes": unread_bytes,
         "copy_bandwidth_bytes_per_s": bandwidth,

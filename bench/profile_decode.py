@@ -19,7 +19,12 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import copy_bandwidth_bytes_per_s, cuda_time_ms, write_results  # noqa: E402
+from common import (  # noqa: E402
+    apply_settings,
+    copy_bandwidth_bytes_per_s,
+    cuda_time_ms,
+    write_results,
+)
 
 from pdserve.config import EngineConfig  # noqa: E402
 from pdserve.engine.batch import SeqInput  # noqa: E402
@@ -92,8 +97,15 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto",
                         choices=("auto", "bfloat16", "fp8_e4m3"))
     parser.add_argument("--attention-backend", default="auto", help="auto, fa or fi")
+    parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                        help="a kernel switch set before the runner is built, such as "
+                             "pdl.ENABLED=False (repeatable)")
     parser.add_argument("--out", default="bench/results/profile_decode.json")
     args = parser.parse_args()
+    try:
+        settings = apply_settings(args.set)
+    except ValueError as e:
+        parser.error(str(e))
     pages_per_seq = -(-(args.context + 1) // args.page_size)
     runner = ModelRunner(EngineConfig(model=args.model, page_size=args.page_size,
                                       num_pages=pages_per_seq * args.batch + 64,
@@ -121,7 +133,7 @@ def main() -> None:
     write_results(args.out, "profile_decode", {
         "model": args.model, "context": args.context, "batch": args.batch,
         "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
-        "attention_backend": runner.backend_name,
+        "attention_backend": runner.backend_name, "settings": settings,
         "replay_us": round(replay_ms * 1e3, 1),
         "kernel_us": round(kernel_us, 1), "copy_bandwidth_bytes_per_s": bandwidth,
         "kernels": kernels, "gemv": shapes})

@@ -1,6 +1,7 @@
 """`bench/decode.py --tp-shard N`: the preset it times is one rank's share of a tensor-parallel
 split (heads and MLP width divided, embedding and LM head whole), a model pdserve loads and
-runs; a split that does not divide is one line and exit code 2."""
+runs; a split that does not divide is one line and exit code 2. `--set MODULE.NAME=VALUE` sets
+a kernel switch, and a wrong one is one line too."""
 from __future__ import annotations
 
 import importlib.util
@@ -61,6 +62,28 @@ def test_a_split_that_does_not_divide_is_one_line():
                              text=True, timeout=120)
         assert run.returncode == 2
         assert message in run.stderr.strip().splitlines()[-1]
+
+
+def test_set_switches_a_kernel_setting_and_a_wrong_one_is_one_line():
+    from pdserve.models import ops
+
+    bench, before = _bench(), ops.TRITON_ADD_RMSNORM_ROWS
+    try:
+        assert bench.apply_settings(["ops.TRITON_ADD_RMSNORM_ROWS=3"]) == {
+            "pdserve.models.ops.TRITON_ADD_RMSNORM_ROWS": "3"}
+        assert ops.TRITON_ADD_RMSNORM_ROWS == 3
+    finally:
+        ops.TRITON_ADD_RMSNORM_ROWS = before
+    for item, message in (("ops.TRITON_ADD_RMSNORM_ROWS", "give MODULE.NAME=VALUE"),
+                          ("nosuch.X=1", "no module 'nosuch' in pdserve.models"),
+                          ("ops.NO_SUCH=1", "pdserve.models.ops has no NO_SUCH"),
+                          ("ops.TRITON_ADD_RMSNORM_ROWS=eight", "'eight' is not a Python literal")):
+        with pytest.raises(ValueError, match=message):
+            bench.apply_settings([item])
+    run = subprocess.run([sys.executable, str(SCRIPT), "--set", "nosuch.X=1"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert "no module 'nosuch'" in run.stderr.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize("model", ["tiny", "tiny-moe"])
