@@ -563,8 +563,9 @@ DIRECT_TILES: dict[str, tuple[int, int, int]] = {}
 def _direct_plan(experts: torch.nn.Module, name: str, tokens: int, top_k: int
                  ) -> tuple[int, int, int, int] | None:
     """(W_SCALES, BLOCK_N, BLOCK_K, warps) of the direct kernels for weight ``name``. Gate/up:
-    two rows (and their pairs) a program, 2,048 columns a step; 1,024 for rows up to 2,048 wide
-    at more than one token (qwen3-30b-a3b's gate/up 18-30% faster at 2-4 tokens in the step,
+    two rows (and their pairs) a program, 2,048 columns a step, eight warps at one token
+    (bench/results/h200-moe-tiles-served/); 1,024 columns for rows up to 2,048 wide at more than
+    one token (qwen3-30b-a3b's gate/up 18-30% faster at 2-4 tokens in the step,
     bench/results/h200-moe-direct-launches/). Down: two rows of every expert of a token a
     program, about 4,096 weights a step. FP8 blocks of columns: one block a step at most. None
     for a blocking they do not take."""
@@ -574,7 +575,10 @@ def _direct_plan(experts: torch.nn.Module, name: str, tokens: int, top_k: int
     else:
         block_k = min(2048 if tokens == 1 or k > 2048 else 1024, triton.next_power_of_2(k))
     if not experts.quantized:
-        return (0, *DIRECT_TILES[name]) if name in DIRECT_TILES else (0, 2, block_k, 4)
+        if name in DIRECT_TILES:
+            return (0, *DIRECT_TILES[name])
+        # One token's gate/up streams faster with eight warps a program (h200-moe-tiles-served).
+        return 0, 2, block_k, (8 if name == "gate_up_proj" and tokens == 1 else 4)
     cols = experts.scale_cols[name]
     if cols >= k:
         return 1, 2, block_k, 4
