@@ -8,8 +8,9 @@ per cache, or stored by the fused RoPE kernel). Decode steps in CUDA graphs read
 table as wide as the longest sequence and fixed lengths, copied in before each replay; the
 kernel splits each row's keys by its length on the device, from a schedule the first layer
 computes for every layer of the step (FA3 otherwise recomputes it in a kernel of its own in
-each layer). Graphs whose rows x KV heads are at most SPLIT_KERNEL_TILES, over a 16-bit pool,
-run split_decode.py's kernels instead: launched dependently, they load the cached keys and
+each layer). Graphs whose rows x KV heads are at most SPLIT_KERNEL_TILES (twice that where a KV
+head serves SPLIT_KERNEL_WIDE_GROUP query heads or more), over a 16-bit pool, run
+split_decode.py's kernels instead: launched dependently, they load the cached keys and
 values before the kernel before ends.
 
 Over an FP8 pool FA3 computes in FP8 throughout: it takes no 16-bit queries with FP8 keys, so the
@@ -37,6 +38,9 @@ MAX_SPLITS = 32
 # Decode graphs of at most this many (row, KV head) pairs run split_decode's kernels in place of
 # FA3's (0: never): faster at 4, slower at 8 and 16 (bench/results/h200-moe-split-decode).
 SPLIT_KERNEL_TILES = 4
+# Twice as many pairs where a KV head serves at least this many query heads (0: never): they
+# fill more of the split kernel's 16-row products (bench/results/h200-moe-tiles-served).
+SPLIT_KERNEL_WIDE_GROUP = 8
 
 
 class FlashAttentionBackend(AttentionBackend):
@@ -80,7 +84,7 @@ class FlashAttentionBackend(AttentionBackend):
         if graph is not None:   # one query a row: [rows, 1, heads, dim], no varlen metadata
             table, lens = graph
             tiles = rows * self.pool.layout.num_kv_heads
-            if self._split_kernel is not None and tiles <= SPLIT_KERNEL_TILES:
+            if self._split_kernel is not None and tiles <= self._split_tiles():
                 return self._split_kernel(q, self.pool.k_cache(layer_id),
                                           self.pool.v_cache(layer_id), table, lens, self.scale,
                                           min(MAX_SPLITS, self._sms // tiles))
@@ -103,6 +107,12 @@ class FlashAttentionBackend(AttentionBackend):
                 cu_seqlens_q=batch.cu_seqlens_q, max_seqlen_q=batch.max_seqlen_q,
                 softmax_scale=self.scale, causal=True, **extra)
         return out if out.dtype == self.q_dtype else out.to(self.q_dtype)
+
+    def _split_tiles(self) -> int:
+        """The most (row, KV head) pairs a decode graph runs split_decode's kernels for."""
+        group = self.num_heads // self.pool.layout.num_kv_heads
+        wide = SPLIT_KERNEL_WIDE_GROUP and group >= SPLIT_KERNEL_WIDE_GROUP
+        return SPLIT_KERNEL_TILES * (2 if wide else 1)
 
     def _shared_splits(self, rows: int) -> int:
         """The most key splits a decode graph of ``rows`` rows may use when its layers share
