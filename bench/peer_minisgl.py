@@ -30,6 +30,8 @@ def main() -> None:
     parser.add_argument("--runs", default="all", help="comma-separated, in order: `all` (the "
                         "whole burst) or K/N (requests K, K+N, K+2N, ... of it)")
     parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--dummy-weight", action="store_true", help="mini-sglang's own random "
+                        "weights, for a folder with only a config and a tokenizer")
     args = parser.parse_args()
     shards = []
     for run in args.runs.split(","):
@@ -46,7 +48,7 @@ def main() -> None:
 
     started = time.time()
     llm = LLM(args.model, max_seq_len_override=4096, max_extend_tokens=16384,
-              cuda_graph_max_bs=256, page_size=256)
+              cuda_graph_max_bs=256, page_size=256, use_dummy_weight=args.dummy_weight)
     startup = time.time() - started
     llm.generate(["Benchmark: "], SamplingParams(temperature=0.1))
     results = []
