@@ -36,10 +36,12 @@ FP8_QUERIES_FROM_ROPE = True
 SCHEDULE_ONCE = True
 MAX_SPLITS = 32
 # Decode graphs of at most this many (row, KV head) pairs run split_decode's kernels in place of
-# FA3's (0: never): faster at 4, slower at 8 and 16 (bench/results/h200-moe-split-decode).
+# FA3's (0: never): faster at 4; slower at 8 with four query heads a KV head, and at 16
+# (bench/results/h200-moe-split-decode).
 SPLIT_KERNEL_TILES = 4
 # Twice as many pairs where a KV head serves at least this many query heads (0: never): they
-# fill more of the split kernel's 16-row products (bench/results/h200-moe-tiles-served).
+# fill more of the split kernel's 16-row products, and 8 pairs run faster
+# (bench/results/h200-moe-tiles-served).
 SPLIT_KERNEL_WIDE_GROUP = 8
 
 
