@@ -7,8 +7,12 @@ graphs (GPU only).
 - ``boundaries``: the pass split into C dependent launches, launched one after the other
   (``serial``), dependently with each kernel letting the next launch first thing (``pdl``), and
   so with each also waiting for the one before before it stores (``pdl_wait``).
+- ``hops``: the boundaries a step pays where there are no weights to load first: C steps, each
+  of 128 programs reading the whole 2,048-wide vector the step before wrote and writing its
+  slice of the next, as C launches (serial or dependent) or as one persistent launch of 128
+  programs meeting at a grid barrier (an atomic counter) between steps.
 
-    python bench/launch_probe.py --out bench/results/launch_probe.json
+    python bench/launch_probe.py --out bench/results/launch_probe.json [--only hops]
 """
 from __future__ import annotations
 
@@ -58,11 +62,81 @@ def _persistent(w, x, y, N, K: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.cons
         tl.store(y + rows, tl.sum(v.to(tl.float32) * xs[None, :], axis=1))
 
 
+HOP_N, HOP_SLICE = 2048, 16   # a hidden row's width; 128 programs
+
+
+@triton.jit
+def _hop_step(src, dst, part, N: tl.constexpr, SLICE: tl.constexpr):
+    """dst[j] = src[j + 1 (mod N)] + 1 for this program's slice, after reading all of src."""
+    total = tl.sum(tl.load(src + tl.arange(0, N)), axis=0)
+    j = part * SLICE + tl.arange(0, SLICE)
+    tl.store(dst + j, tl.load(src + (j + 1) % N) + 1 + (total == -12345).to(tl.int32))
+
+
+@triton.jit
+def _hop(src, dst, N: tl.constexpr, SLICE: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    _hop_step(src, dst, tl.program_id(0), N, SLICE)
+
+
+@triton.jit
+def _hops_persistent(bufs, counter, STEPS: tl.constexpr, N: tl.constexpr,
+                     SLICE: tl.constexpr):
+    part = tl.program_id(0)
+    programs = tl.num_programs(0)
+    for i in tl.static_range(STEPS):
+        _hop_step(bufs + i * N, bufs + (i + 1) * N, part, N, SLICE)
+        if i < STEPS - 1:   # grid barrier: every program's slice stored before any reads on
+            tl.debug_barrier()
+            seen = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") + 1
+            while seen < programs * (i + 1):
+                seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+
+
+def hops(record_us, rows: list) -> None:
+    device = torch.device("cuda")
+    programs = HOP_N // HOP_SLICE
+    for mode in ("serial", "pdl", "persistent"):
+        base = None
+        for steps in (1, 4, 16, 48):
+            bufs = torch.zeros(steps + 1, HOP_N, dtype=torch.int32, device=device)
+            bufs[0] = torch.arange(HOP_N, device=device, dtype=torch.int32) * 7
+            counter = torch.zeros(1, dtype=torch.int32, device=device)
+
+            def launch(bufs=bufs, counter=counter, steps=steps, mode=mode):
+                if mode == "persistent":
+                    counter.zero_()
+                    _hops_persistent[(programs,)](bufs, counter, steps, HOP_N, HOP_SLICE,
+                                                  num_warps=4)
+                    return
+                for i in range(steps):
+                    _hop[(programs,)](bufs[i], bufs[i + 1], HOP_N, HOP_SLICE, mode == "pdl",
+                                      num_warps=4, launch_pdl=mode == "pdl")
+
+            us = record_us(launch)
+            want = torch.roll(bufs[0], -steps) + steps
+            row = {"kind": "hops", "label": f"{mode} {steps} steps", "us": round(us, 2),
+                   "mode": mode, "steps": steps, "exact": bool(torch.equal(bufs[-1], want))}
+            base = us if base is None else base
+            row["us_a_hop"] = round((us - base) / max(steps - 1, 1), 2)
+            rows.append(row)
+            print(f"hops       {row['label']:44s} {us:8.2f} us  {row['us_a_hop']:6.2f} us a hop"
+                  f"  exact={row['exact']}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench/results/launch_probe.json")
+    parser.add_argument("--only", choices=["hops"], help="run one section")
     args = parser.parse_args()
     device = torch.device("cuda")
+    if args.only == "hops":
+        rows: list = []
+        hops(lambda launch: graph_calls_us([launch] * 4)[0], rows)
+        write_results(args.out, "launch_probe", {"rows": rows})
+        return
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     copies = [torch.randn(N, K, device=device).bfloat16() for _ in range(6)]
     x = torch.randn(K, device=device).bfloat16()
