@@ -565,10 +565,10 @@ def _direct_plan(experts: torch.nn.Module, name: str, tokens: int, top_k: int
     """(W_SCALES, BLOCK_N, BLOCK_K, warps) of the direct kernels for weight ``name``. Gate/up:
     two rows (and their pairs) a program, 2,048 columns a step, eight warps at one token
     (bench/results/h200-moe-tiles-served/); 1,024 columns for rows up to 2,048 wide at more than
-    one token (qwen3-30b-a3b's gate/up 18-30% faster at 2-4 tokens in the step,
-    bench/results/h200-moe-direct-launches/). Down: two rows of every expert of a token a
-    program, about 4,096 weights a step. FP8 blocks of columns: one block a step at most. None
-    for a blocking they do not take."""
+    one token (chosen in bench/results/h200-moe-direct-launches/; with today's kernels 2,048 is
+    level, 0.2-0.4% faster at 2-4 tokens: h100-hops-and-l2-prefetch). Down: two rows of every
+    expert of a token a program, about 4,096 weights a step. FP8 blocks of columns: one block a
+    step at most. None for a blocking they do not take."""
     k = getattr(experts, name).shape[2]
     if name == "down_proj":
         block_k = min(triton.next_power_of_2(k), max(64, 2048 // triton.next_power_of_2(top_k)))
