@@ -38,7 +38,8 @@ from common import copy_bandwidth_bytes_per_s, graph_calls_us, write_results  # 
 
 H, NQKV, KATT, NO, NR, TOPK, INTER = 2048, 5120, 512, 4096, 128, 8, 768
 PHASES = ("qkv", "attention", "merge", "o_proj", "router", "gate_up", "down")
-MODES = {"stream": (1, 0, 0), "hops": (0, 1, 0), "barriers": (1, 1, 0), "prefetch": (1, 1, 1)}
+MODES = {"stream": (1, 0, 0), "hops": (0, 1, 0), "barriers": (1, 1, 0), "smem": (1, 1, 1),
+         "l2": (1, 1, 2)}
 
 SOURCE = r"""
 #define G %(G)d
@@ -108,23 +109,50 @@ __device__ __forceinline__ void grid_sync(u32* bar, u32* target, u32* failed) {
 #endif
 }
 
-__device__ __forceinline__ void prefetch(uint4* pre, const uint4* src, int n) {
+#define CHUNK 16384u
+// PREFETCH 1: one thread starts bulk copies (TMA) of the block's share into shared memory,
+// completing on an mbarrier; 2: bulk prefetches of it into L2.
+__device__ __forceinline__ void prefetch(uint4* pre, const uint4* src, int n, u64* mbar) {
 #if PREFETCH
-  for (int c = threadIdx.x; c < n; c += THREADS)
-    asm volatile("cp.async.cg.shared.global [%%0], [%%1], 16;"
-                 :: "r"(smem_addr(pre + c)), "l"(src + c) : "memory");
-  asm volatile("cp.async.commit_group;" ::: "memory");
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const u32 bytes = 16u * n;
+#if PREFETCH == 1
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%%0], %%1;"
+                 :: "r"(smem_addr(mbar)), "r"(bytes) : "memory");
+#endif
+    for (u32 off = 0; off < bytes; off += CHUNK) {
+      const u32 len = bytes - off < CHUNK ? bytes - off : CHUNK;
+#if PREFETCH == 1
+      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%%0], [%%1], %%2, [%%3];"
+                   :: "r"(smem_addr((char*)pre + off)), "l"((const char*)src + off), "r"(len),
+                      "r"(smem_addr(mbar)) : "memory");
+#else
+      asm volatile("cp.async.bulk.prefetch.L2.global [%%0], %%1;"
+                   :: "l"((const char*)src + off), "r"(len) : "memory");
+#endif
+    }
+  }
 #endif
 }
-__device__ __forceinline__ void prefetch_wait() {
-#if PREFETCH
-  asm volatile("cp.async.wait_all;" ::: "memory");
-  __syncthreads();
+__device__ __forceinline__ void prefetch_wait(u64* mbar, u32* parity) {
+#if PREFETCH == 1
+  asm volatile("{\n.reg .pred p;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%%0], %%1;\n"
+               "@!p bra WAIT;\n}" :: "r"(smem_addr(mbar)), "r"(*parity) : "memory");
+  *parity ^= 1u;
 #endif
 }
 
+// Every load issued before the first store, so their L2 trips overlap.
 __device__ __forceinline__ void load_x(float* xs, const float* x, int n) {
-  for (int i = threadIdx.x; i < n; i += THREADS) xs[i] = ld_cg(x + i);
+  float v[(H + THREADS - 1) / THREADS];
+#pragma unroll
+  for (int k = 0; k < (H + THREADS - 1) / THREADS; ++k)
+    if (threadIdx.x + k * THREADS < n) v[k] = ld_cg(x + threadIdx.x + k * THREADS);
+#pragma unroll
+  for (int k = 0; k < (H + THREADS - 1) / THREADS; ++k)
+    if (threadIdx.x + k * THREADS < n) xs[threadIdx.x + k * THREADS] = v[k];
   __syncthreads();
 }
 
@@ -191,6 +219,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) mega(
   float* xs = (float*)(smem + PRE_VEC);
   __shared__ int sel[TOPK];
   __shared__ float wts[TOPK];
+  __shared__ __align__(8) u64 mbar[1];
+  u32 parity = 0;
+#if PREFETCH == 1
+  if (threadIdx.x == 0) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%%0], 1;" :: "r"(smem_addr(mbar)) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+#endif
   const int b = blockIdx.x;
   u32 target = 0;
   const int q0 = NQKV * b / G, q1 = NQKV * (b + 1) / G;
@@ -199,7 +236,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) mega(
   const int r0 = NR * b / G, r1 = NR * (b + 1) / G;
   const int g0 = TOPK * NGU * b / G, g1 = TOPK * NGU * (b + 1) / G;
   const bool clock = b == 0 && threadIdx.x == 0;
-  prefetch(pre, wqkv + (size_t)q0 * (H / 8), (q1 - q0) * (H / 8));
+  prefetch(pre, wqkv + (size_t)q0 * (H / 8), (q1 - q0) * (H / 8), mbar);
   for (int l = 0; l < layers; ++l) {
     const int s = l %% SETS, t = (l + 1) %% SETS;
     const uint4* Wq = wqkv + (size_t)s * NQKV * (H / 8);
@@ -212,20 +249,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) mega(
     if (clock) times[8 * l] = now();
 
     load_x(xs, x, H);
-    prefetch_wait();
-    gemv<H>([&](int r) { return PREFETCH ? pre + (size_t)(r - q0) * (H / 8) : Wq + (size_t)r * (H / 8); },
+    prefetch_wait(mbar, &parity);
+    gemv<H>([&](int r) { return PREFETCH == 1 ? pre + (size_t)(r - q0) * (H / 8) : Wq + (size_t)r * (H / 8); },
             xs, qkv, q0, q1);
-    __syncthreads();
-    prefetch(pre, Wa + (size_t)a0 * (KATT / 8), (a1 - a0) * (KATT / 8));
+    prefetch(pre, Wa + (size_t)a0 * (KATT / 8), (a1 - a0) * (KATT / 8), mbar);
     grid_sync(bar, &target, failed);
     if (clock) times[8 * l + 1] = now();
 
     load_x(xs, qkv, KATT);
-    prefetch_wait();
-    gemv<KATT>([&](int r) { return PREFETCH ? pre + (size_t)(r - a0) * (KATT / 8) : Wa + (size_t)r * (KATT / 8); },
+    prefetch_wait(mbar, &parity);
+    gemv<KATT>([&](int r) { return PREFETCH == 1 ? pre + (size_t)(r - a0) * (KATT / 8) : Wa + (size_t)r * (KATT / 8); },
                xs, att, a0, a1);
-    __syncthreads();
-    prefetch(pre, Wo + (size_t)p0 * (H / 8), (p1 - p0) * (H / 8));
+    prefetch(pre, Wo + (size_t)p0 * (H / 8), (p1 - p0) * (H / 8), mbar);
     grid_sync(bar, &target, failed);
     if (clock) times[8 * l + 2] = now();
 
@@ -234,21 +269,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) mega(
     if (clock) times[8 * l + 3] = now();
 
     load_x(xs, mrg, H);
-    prefetch_wait();
-    gemv<H>([&](int r) { return PREFETCH ? pre + (size_t)(r - p0) * (H / 8) : Wo + (size_t)r * (H / 8); },
+    prefetch_wait(mbar, &parity);
+    gemv<H>([&](int r) { return PREFETCH == 1 ? pre + (size_t)(r - p0) * (H / 8) : Wo + (size_t)r * (H / 8); },
             xs, o, p0, p1);
-    __syncthreads();
-    prefetch(pre, Wr + (size_t)r0 * (H / 8), (r1 - r0) * (H / 8));
+    prefetch(pre, Wr + (size_t)r0 * (H / 8), (r1 - r0) * (H / 8), mbar);
     grid_sync(bar, &target, failed);
     if (clock) times[8 * l + 4] = now();
 
     load_x(xs, o, H);
-    prefetch_wait();
-    gemv<H>([&](int r) { return PREFETCH ? pre + (size_t)(r - r0) * (H / 8) : Wr + (size_t)r * (H / 8); },
+    prefetch_wait(mbar, &parity);
+    gemv<H>([&](int r) { return PREFETCH == 1 ? pre + (size_t)(r - r0) * (H / 8) : Wr + (size_t)r * (H / 8); },
             xs, logits, r0, r1);
-    __syncthreads();
     if (l + 1 < layers)
-      prefetch(pre, wqkv + ((size_t)t * NQKV + q0) * (H / 8), (q1 - q0) * (H / 8));
+      prefetch(pre, wqkv + ((size_t)t * NQKV + q0) * (H / 8), (q1 - q0) * (H / 8), mbar);
     grid_sync(bar, &target, failed);
     if (clock) times[8 * l + 5] = now();
 
@@ -258,28 +291,43 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) mega(
     grid_sync(bar, &target, failed);
     if (clock) times[8 * l + 6] = now();
 
-    for (int i = threadIdx.x; i < TOPK * INTER; i += THREADS) {
-      const int e = i / INTER, j = i %% INTER;
-      const float g = ld_cg(gu + e * NGU + j), u = ld_cg(gu + e * NGU + INTER + j);
-      xs[i] = g / (1.f + expf(-g)) * u;
+    {
+      constexpr int PER = (TOPK * INTER + THREADS - 1) / THREADS;
+#pragma unroll
+      for (int k0 = 0; k0 < PER; k0 += 4) {   // four pairs of loads in flight a thread
+        float g[4], u[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int i = threadIdx.x + (k0 + k) * THREADS, e = i / INTER, j = i %% INTER;
+          if (k0 + k < PER && i < TOPK * INTER) { g[k] = ld_cg(gu + e * NGU + j); u[k] = ld_cg(gu + e * NGU + INTER + j); }
+        }
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int i = threadIdx.x + (k0 + k) * THREADS;
+          if (k0 + k < PER && i < TOPK * INTER) xs[i] = g[k] / (1.f + expf(-g[k])) * u[k];
+        }
+      }
+      __syncthreads();
     }
-    __syncthreads();
 #if WORK
     {
-      constexpr int V = INTER / 8, PER = TOPK * V / 32;
+      constexpr int V = INTER / 8, PER = TOPK * V / 64;   // a lane's loads, in two halves
       const int lane = threadIdx.x & 31;
       for (int r = a0 + (threadIdx.x >> 5); r < a1; r += NW) {
-        uint4 v[PER];
-#pragma unroll
-        for (int i = 0; i < PER; ++i) {
-          const int c = lane + 32 * i, e = c / V;
-          v[i] = Wd[((size_t)sel[e] * H + r) * V + c %% V];
-        }
         float acc = 0.f;
 #pragma unroll
-        for (int i = 0; i < PER; ++i) {
-          const int c = lane + 32 * i, e = c / V;
-          acc += wts[e] * dot8(v[i], xs + e * INTER + 8 * (c %% V));
+        for (int half = 0; half < 2; ++half) {
+          uint4 v[PER];
+#pragma unroll
+          for (int i = 0; i < PER; ++i) {
+            const int c = lane + 32 * (i + half * PER), e = c / V;
+            v[i] = Wd[((size_t)sel[e] * H + r) * V + c %% V];
+          }
+#pragma unroll
+          for (int i = 0; i < PER; ++i) {
+            const int c = lane + 32 * (i + half * PER), e = c / V;
+            acc += wts[e] * dot8(v[i], xs + e * INTER + 8 * (c %% V));
+          }
         }
         acc = warp_sum(acc);
         if (lane == 0) x[r] = acc;
@@ -289,7 +337,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) mega(
     grid_sync(bar, &target, failed);
     if (clock) times[8 * l + 7] = now();
   }
-  prefetch_wait();
 }
 """
 
@@ -336,7 +383,7 @@ def source_for(mode: str, blocks: int, threads: int, sets: int, experts: int) ->
     """The kernel's source for ``mode`` and its dynamic shared memory in bytes."""
     work, barriers, prefetch = MODES[mode]
     rows = max(-(-n // blocks) * (h // 8) for n, h in ((NQKV, H), (H, KATT), (NO, H), (NR, H)))
-    pre_vec = rows if prefetch else 0
+    pre_vec = rows if prefetch == 1 else 0
     src = SOURCE % {"G": blocks, "THREADS": threads, "WORK": work, "BARRIERS": barriers,
                     "PREFETCH": prefetch, "SETS": sets, "E": experts, "PRE_VEC": pre_vec}
     return src, pre_vec * 16 + TOPK * INTER * 4
