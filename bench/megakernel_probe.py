@@ -39,7 +39,7 @@ from common import copy_bandwidth_bytes_per_s, graph_calls_us, write_results  # 
 H, NQKV, KATT, NO, NR, TOPK, INTER = 2048, 5120, 512, 4096, 128, 8, 768
 PHASES = ("qkv", "attention", "merge", "o_proj", "router", "gate_up", "down")
 MODES = {"stream": (1, 0, 0), "hops": (0, 1, 0), "barriers": (1, 1, 0), "smem": (1, 1, 1),
-         "l2": (1, 1, 2)}
+         "l2": (1, 1, 2), "preload": (1, 1, 3)}
 
 SOURCE = r"""
 #define G %(G)d
@@ -157,16 +157,35 @@ __device__ __forceinline__ void load_x(float* xs, const float* x, int n) {
 }
 
 // y[r] = W[r] . xs for rows [r0, r1): a warp a row, each lane's loads issued before its sums.
+// PREFETCH 3: a warp loads its first row of the next phase whose weights are known into
+// registers before the barrier (as dependent launches let a kernel do before its wait).
 template <int K, typename Row>
-__device__ __forceinline__ void gemv(Row row, const float* xs, float* y, int r0, int r1) {
+__device__ __forceinline__ void gemv_first(Row row, int r0, int r1, uint4 (&v)[12]) {
+#if WORK && PREFETCH == 3
+  constexpr int V = K / 8, PER = (V + 31) / 32;
+  const int lane = threadIdx.x & 31, r = r0 + (threadIdx.x >> 5);
+  if (r < r1) {
+    const uint4* src = row(r);
+#pragma unroll
+    for (int i = 0; i < PER; ++i) if (lane + 32 * i < V) v[i] = src[lane + 32 * i];
+  }
+#endif
+}
+
+// y[r] = W[r] . xs for rows [r0, r1): a warp a row, each lane's loads issued before its sums;
+// FIRST: the warp's first row is in v already.
+template <int K, bool FIRST, typename Row>
+__device__ __forceinline__ void gemv(Row row, const float* xs, float* y, int r0, int r1,
+                                     uint4 (&v)[12]) {
 #if WORK
   constexpr int V = K / 8, PER = (V + 31) / 32;
   const int lane = threadIdx.x & 31;
   for (int r = r0 + (threadIdx.x >> 5); r < r1; r += NW) {
-    const uint4* src = row(r);
-    uint4 v[PER];
+    if (!(FIRST && PREFETCH == 3 && r == r0 + (threadIdx.x >> 5))) {
+      const uint4* src = row(r);
 #pragma unroll
-    for (int i = 0; i < PER; ++i) if (lane + 32 * i < V) v[i] = src[lane + 32 * i];
+      for (int i = 0; i < PER; ++i) if (lane + 32 * i < V) v[i] = src[lane + 32 * i];
+    }
     float acc = 0.f;
 #pragma unroll
     for (int i = 0; i < PER; ++i) if (lane + 32 * i < V) acc += dot8(v[i], xs + 8 * (lane + 32 * i));
@@ -236,7 +255,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) mega(
   const int r0 = NR * b / G, r1 = NR * (b + 1) / G;
   const int g0 = TOPK * NGU * b / G, g1 = TOPK * NGU * (b + 1) / G;
   const bool clock = b == 0 && threadIdx.x == 0;
+  uint4 v[12];
   prefetch(pre, wqkv + (size_t)q0 * (H / 8), (q1 - q0) * (H / 8), mbar);
+  gemv_first<H>([&](int r) { return wqkv + (size_t)r * (H / 8); }, q0, q1, v);
   for (int l = 0; l < layers; ++l) {
     const int s = l %% SETS, t = (l + 1) %% SETS;
     const uint4* Wq = wqkv + (size_t)s * NQKV * (H / 8);
@@ -250,17 +271,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) mega(
 
     load_x(xs, x, H);
     prefetch_wait(mbar, &parity);
-    gemv<H>([&](int r) { return PREFETCH == 1 ? pre + (size_t)(r - q0) * (H / 8) : Wq + (size_t)r * (H / 8); },
-            xs, qkv, q0, q1);
+    gemv<H, true>([&](int r) { return PREFETCH == 1 ? pre + (size_t)(r - q0) * (H / 8) : Wq + (size_t)r * (H / 8); },
+                  xs, qkv, q0, q1, v);
     prefetch(pre, Wa + (size_t)a0 * (KATT / 8), (a1 - a0) * (KATT / 8), mbar);
+    gemv_first<KATT>([&](int r) { return Wa + (size_t)r * (KATT / 8); }, a0, a1, v);
     grid_sync(bar, &target, failed);
     if (clock) times[8 * l + 1] = now();
 
     load_x(xs, qkv, KATT);
     prefetch_wait(mbar, &parity);
-    gemv<KATT>([&](int r) { return PREFETCH == 1 ? pre + (size_t)(r - a0) * (KATT / 8) : Wa + (size_t)r * (KATT / 8); },
-               xs, att, a0, a1);
+    gemv<KATT, true>([&](int r) { return PREFETCH == 1 ? pre + (size_t)(r - a0) * (KATT / 8) : Wa + (size_t)r * (KATT / 8); },
+                     xs, att, a0, a1, v);
     prefetch(pre, Wo + (size_t)p0 * (H / 8), (p1 - p0) * (H / 8), mbar);
+    gemv_first<H>([&](int r) { return Wo + (size_t)r * (H / 8); }, p0, p1, v);
     grid_sync(bar, &target, failed);
     if (clock) times[8 * l + 2] = now();
 
@@ -270,24 +293,36 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) mega(
 
     load_x(xs, mrg, H);
     prefetch_wait(mbar, &parity);
-    gemv<H>([&](int r) { return PREFETCH == 1 ? pre + (size_t)(r - p0) * (H / 8) : Wo + (size_t)r * (H / 8); },
-            xs, o, p0, p1);
+    gemv<H, true>([&](int r) { return PREFETCH == 1 ? pre + (size_t)(r - p0) * (H / 8) : Wo + (size_t)r * (H / 8); },
+                  xs, o, p0, p1, v);
     prefetch(pre, Wr + (size_t)r0 * (H / 8), (r1 - r0) * (H / 8), mbar);
+    gemv_first<H>([&](int r) { return Wr + (size_t)r * (H / 8); }, r0, r1, v);
     grid_sync(bar, &target, failed);
     if (clock) times[8 * l + 4] = now();
 
     load_x(xs, o, H);
     prefetch_wait(mbar, &parity);
-    gemv<H>([&](int r) { return PREFETCH == 1 ? pre + (size_t)(r - r0) * (H / 8) : Wr + (size_t)r * (H / 8); },
-            xs, logits, r0, r1);
+    gemv<H, true>([&](int r) { return PREFETCH == 1 ? pre + (size_t)(r - r0) * (H / 8) : Wr + (size_t)r * (H / 8); },
+                  xs, logits, r0, r1, v);
     if (l + 1 < layers)
       prefetch(pre, wqkv + ((size_t)t * NQKV + q0) * (H / 8), (q1 - q0) * (H / 8), mbar);
     grid_sync(bar, &target, failed);
     if (clock) times[8 * l + 5] = now();
 
     route(logits, sel, wts);
-    gemv<H>([&](int r) { return Wg + ((size_t)sel[r / NGU] * NGU + r %% NGU) * (H / 8); },
-            xs, gu, g0, g1);
+    gemv<H, false>([&](int r) { return Wg + ((size_t)sel[r / NGU] * NGU + r %% NGU) * (H / 8); },
+                   xs, gu, g0, g1, v);
+#if WORK && PREFETCH == 3
+    if (a0 + (threadIdx.x >> 5) < a1) {   // down's first half-row: routing named its experts
+      constexpr int V = INTER / 8;
+      const int lane = threadIdx.x & 31, r = a0 + (threadIdx.x >> 5);
+#pragma unroll
+      for (int i = 0; i < 12; ++i) {
+        const int c = lane + 32 * i, e = c / V;
+        v[i] = Wd[((size_t)sel[e] * H + r) * V + c %% V];
+      }
+    }
+#endif
     grid_sync(bar, &target, failed);
     if (clock) times[8 * l + 6] = now();
 
@@ -317,11 +352,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) mega(
         float acc = 0.f;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          uint4 v[PER];
+          if (!(PREFETCH == 3 && half == 0 && r == a0 + (threadIdx.x >> 5))) {
 #pragma unroll
-          for (int i = 0; i < PER; ++i) {
-            const int c = lane + 32 * (i + half * PER), e = c / V;
-            v[i] = Wd[((size_t)sel[e] * H + r) * V + c %% V];
+            for (int i = 0; i < PER; ++i) {
+              const int c = lane + 32 * (i + half * PER), e = c / V;
+              v[i] = Wd[((size_t)sel[e] * H + r) * V + c %% V];
+            }
           }
 #pragma unroll
           for (int i = 0; i < PER; ++i) {
@@ -334,6 +370,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) mega(
       }
     }
 #endif
+    if (l + 1 < layers)
+      gemv_first<H>([&](int r) { return wqkv + ((size_t)t * NQKV + r) * (H / 8); }, q0, q1, v);
     grid_sync(bar, &target, failed);
     if (clock) times[8 * l + 7] = now();
   }
