@@ -563,17 +563,17 @@ DIRECT_TILES: dict[str, tuple[int, int, int]] = {}
 def _direct_plan(experts: torch.nn.Module, name: str, tokens: int, top_k: int
                  ) -> tuple[int, int, int, int] | None:
     """(W_SCALES, BLOCK_N, BLOCK_K, warps) of the direct kernels for weight ``name``. Gate/up:
-    two rows (and their pairs) a program, 2,048 columns a step, eight warps at one token
-    (bench/results/h200-moe-tiles-served/); 1,024 columns for rows up to 2,048 wide at more than
-    one token (chosen in bench/results/h200-moe-direct-launches/; with today's kernels 2,048 is
-    level, 0.2-0.4% faster at 2-4 tokens: h100-hops-and-l2-prefetch). Down: two rows of every
-    expert of a token a program, about 4,096 weights a step. FP8 blocks of columns: one block a
-    step at most. None for a blocking they do not take."""
+    two rows (and their pairs) a program, 2,048 columns a step, eight warps at one token for
+    16-bit experts (bench/results/h200-moe-tiles-served/; FP8 experts were slower with eight,
+    bench/results/h100-megakernel-probe/). Down: two rows of every expert of a token a program,
+    about 4,096 weights a step. FP8 blocks of columns: one block a step at most. None for a
+    blocking they do not take."""
     k = getattr(experts, name).shape[2]
     if name == "down_proj":
         block_k = min(triton.next_power_of_2(k), max(64, 2048 // triton.next_power_of_2(top_k)))
     else:
-        block_k = min(2048 if tokens == 1 or k > 2048 else 1024, triton.next_power_of_2(k))
+        # 2,048 columns at 2-4 tokens too: 0.2-0.6% faster than 1,024 for 16-bit and FP8 experts.
+        block_k = min(2048, triton.next_power_of_2(k))
     if not experts.quantized:
         if name in DIRECT_TILES:
             return (0, *DIRECT_TILES[name])
