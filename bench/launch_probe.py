@@ -9,8 +9,11 @@ graphs (GPU only).
   so with each also waiting for the one before before it stores (``pdl_wait``).
 - ``hops``: the boundaries a step pays where there are no weights to load first: C steps, each
   of 128 programs reading the whole 2,048-wide vector the step before wrote and writing its
-  slice of the next, as C launches (serial or dependent) or as one persistent launch of 128
-  programs meeting at a grid barrier (an atomic counter) between steps.
+  slice of the next, as C launches (serial or dependent), as one persistent launch of 128
+  programs meeting at a grid barrier (an atomic counter) between steps, or as dependent
+  launches that never wait for the one before but poll their inputs, each word carrying its
+  value and the call's epoch, letting the next launch start first thing (``flags``) or once
+  the inputs are in (``flags_late``).
 
     python bench/launch_probe.py --out bench/results/launch_probe.json [--only hops]
 """
@@ -82,6 +85,37 @@ def _hop(src, dst, N: tl.constexpr, SLICE: tl.constexpr, PDL: tl.constexpr):
 
 
 @triton.jit
+def _hop_flags(src, dst, epoch_ptr, N: tl.constexpr, SLICE: tl.constexpr,
+               EARLY: tl.constexpr):
+    """_hop_step over words of (epoch << 32 | value), launched dependently but never waiting for
+    the launch before: the program polls its inputs until each word carries this call's epoch
+    (a word's value and flag land together, as in NCCL's low-latency protocol). EARLY: lets the
+    next launch start first thing, else once its inputs are in."""
+    if EARLY:
+        gdc_launch_dependents()
+    epoch = tl.load(epoch_ptr).to(tl.int64)
+    j = tl.program_id(0) * SLICE + tl.arange(0, SLICE)
+    words = tl.load(src + tl.arange(0, N), volatile=True)
+    nexts = tl.load(src + (j + 1) % N, volatile=True)
+    stale = (tl.max(((words >> 32) != epoch).to(tl.int32), axis=0)
+             + tl.max(((nexts >> 32) != epoch).to(tl.int32), axis=0))
+    tries = 0
+    while stale > 0:   # a bounded wait: a hang would show as a wrong result instead
+        words = tl.load(src + tl.arange(0, N), volatile=True)
+        nexts = tl.load(src + (j + 1) % N, volatile=True)
+        stale = (tl.max(((words >> 32) != epoch).to(tl.int32), axis=0)
+                 + tl.max(((nexts >> 32) != epoch).to(tl.int32), axis=0))
+        tries += 1
+        if tries > 1 << 20:
+            stale = 0
+    if not EARLY:
+        gdc_launch_dependents()
+    total = tl.sum((words & 0xFFFFFFFF).to(tl.int32), axis=0)
+    value = (nexts & 0xFFFFFFFF).to(tl.int32) + 1 + (total == -12345).to(tl.int32)
+    tl.store(dst + j, (epoch << 32) | (value.to(tl.int64) & 0xFFFFFFFF))
+
+
+@triton.jit
 def _hops_persistent(bufs, counter, STEPS: tl.constexpr, N: tl.constexpr,
                      SLICE: tl.constexpr):
     part = tl.program_id(0)
@@ -99,14 +133,24 @@ def _time_hops(rows: list) -> None:
     """The ``hops`` section: four passes a CUDA graph, each checked."""
     device = torch.device("cuda")
     programs = HOP_N // HOP_SLICE
-    for mode in ("serial", "pdl", "persistent"):
+    for mode in ("serial", "pdl", "persistent", "flags", "flags_late"):
         base = None
         for steps in (1, 4, 16, 48):
             bufs = torch.zeros(steps + 1, HOP_N, dtype=torch.int32, device=device)
             bufs[0] = torch.arange(HOP_N, device=device, dtype=torch.int32) * 7
             counter = torch.zeros(1, dtype=torch.int32, device=device)
+            words = torch.zeros(steps + 1, HOP_N, dtype=torch.int64, device=device)
 
-            def launch(bufs=bufs, counter=counter, steps=steps, mode=mode):
+            def launch(bufs=bufs, counter=counter, words=words, steps=steps, mode=mode):
+                if mode.startswith("flags"):   # a new epoch a call: no step reads the last call's
+                    counter.add_(1)
+                    words[0].copy_((counter.long() << 32) | bufs[0].long())
+                    for i in range(steps):
+                        _hop_flags[(programs,)](words[i], words[i + 1], counter, HOP_N,
+                                                HOP_SLICE, mode == "flags", num_warps=4,
+                                                launch_pdl=True)
+                    bufs[-1].copy_((words[-1] & 0xFFFFFFFF).int())
+                    return
                 if mode == "persistent":
                     counter.zero_()
                     _hops_persistent[(programs,)](bufs, counter, steps, HOP_N, HOP_SLICE,
