@@ -12,13 +12,17 @@ the vector the one before wrote. Modes:
 - ``stream``: the phases without barriers: how fast the kernel streams the bytes alone;
 - ``hops``: barriers and routing without the GEMVs: what the seven barriers a layer cost;
 - ``barriers``: the layer as described, each phase loading its weights after its barrier;
-- ``prefetch``: the same, but a block copies its share of the next phase whose weights are
-  known before its inputs (QKV, attention, output projection, router; not the experts, which
-  routing picks) into shared memory with cp.async as soon as the last one is used, so that
-  those loads run during the barriers and the weightless phases.
+- ``smem``: the same, but a block copies its share of the next phase whose weights are known
+  before its inputs (QKV, attention, output projection, router; not the experts, which routing
+  picks) into shared memory with TMA bulk copies as soon as the last one is used, so that those
+  loads run during the barriers and the weightless phases;
+- ``l2``: the same shares pulled into L2 by bulk prefetches instead;
+- ``preload``: each warp loads its first row of the next phase whose weights are known (down's
+  too, once routing named the experts) into registers before the barrier, as the decode
+  kernels do before their wait.
 
-``barriers`` and ``prefetch`` must give the same bits, and ``barriers`` must match a float32
-reference in torch; the floor is the layer's weight bytes over the device-to-device copy rate.
+The modes with barriers must give the same bits and match a float32 reference in torch; the
+floor is the layer's weight bytes over the device-to-device copy rate.
 
     python bench/megakernel_probe.py --out bench/results/megakernel_probe.json
 """
@@ -32,6 +36,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.cuda._utils import _cuda_load_module
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import copy_bandwidth_bytes_per_s, graph_calls_us, write_results  # noqa: E402
@@ -491,7 +496,6 @@ def main() -> None:
     rows, finals = [], {}
     for mode in args.modes.split(","):
         source, smem = source_for(mode, blocks, args.threads, args.sets, args.experts)
-        from torch.cuda._utils import _cuda_load_module
         kernel = _cuda_load_module(compile_source(source, arch), ["mega"])["mega"]
         kernel.set_shared_memory_config(smem)
         failed.zero_()
@@ -519,15 +523,14 @@ def main() -> None:
         if MODES[mode][0] and MODES[mode][1]:
             want = reference(w, x0, 2, args.experts)
             row["rel_err_2_layers"] = ((two - want).abs().max() / want.abs().max()).item()
+            if mode != "barriers" and "barriers" in finals:   # the same arithmetic, every layer
+                row["bits_of_barriers"] = bool(torch.equal(finals[mode], finals["barriers"]))
         rows.append(row)
         print(f"{mode:9s} {us:9.1f} us  {row['us_a_layer']:7.2f} us a layer  "
               f"{row['x_floor']:.3f}x floor  phases {row['phase_us']}  "
-              f"err {row.get('rel_err_2_layers', '-')}  timed_out={row['barrier_timed_out']}",
-              flush=True)
-    if "barriers" in finals and "prefetch" in finals:
-        same = bool(torch.equal(finals["barriers"], finals["prefetch"]))
-        print(f"prefetch gives barriers' bits: {same}")
-        rows.append({"mode": "check", "prefetch_equals_barriers": same})
+              f"err {row.get('rel_err_2_layers', '-')}  "
+              f"bits of barriers {row.get('bits_of_barriers', '-')}  "
+              f"timed_out={row['barrier_timed_out']}", flush=True)
     write_results(args.out, "megakernel_probe",
                   {"layers": args.layers, "sets": args.sets, "experts": args.experts,
                    "blocks": blocks, "threads": args.threads, "layer_bytes": layer_bytes,
