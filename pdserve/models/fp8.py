@@ -155,12 +155,12 @@ def hf_names(name: str) -> list[str]:
     return ["model." + name]
 
 
-def _quantized_linears(net: nn.Module, scheme: Fp8Scheme) -> list[str]:
-    """Our linear layers that ``scheme`` holds as FP8; ValueError if a fused layer's parts
-    disagree."""
-    names = []
+def _quantized_linears(net: nn.Module, scheme: Fp8Scheme, under: str = "") -> list[str]:
+    """Our linear layers that ``scheme`` holds as FP8 (within module ``under``, such as
+    "layers.3"); ValueError if a fused layer's parts disagree."""
+    names, prefix = [], under + "." if under else ""
     for name, module in net.named_modules():
-        if not isinstance(module, LINEARS):
+        if not isinstance(module, LINEARS) or not name.startswith(prefix):
             continue
         wanted = {scheme.quantizes(hf) for hf in hf_names(name)}
         if len(wanted) > 1:
@@ -196,11 +196,11 @@ def quantize_per_channel(weight: torch.Tensor, tp: TPGroup | None = None
 
 
 @torch.no_grad()
-def quantize_linears(net: nn.Module, scheme: Fp8Scheme) -> int:
-    """--quantization fp8: every linear layer ``scheme`` quantizes, loaded in 16 bits, becomes
-    an Fp8Linear with per-output-channel scales, one layer at a time (the peak is the 16-bit
-    model and one FP8 layer). Returns how many were."""
-    names = _quantized_linears(net, scheme)
+def quantize_linears(net: nn.Module, scheme: Fp8Scheme, under: str = "") -> int:
+    """--quantization fp8: every linear layer ``scheme`` quantizes (within module ``under``),
+    loaded in 16 bits, becomes an Fp8Linear with per-output-channel scales, one layer at a
+    time. Returns how many were."""
+    names = _quantized_linears(net, scheme, under)
     for name in names:
         linear = net.get_submodule(name)
         if isinstance(linear, RowParallelLinear):   # a slice of columns: whole rows' scales
@@ -314,14 +314,16 @@ def use_fp8_experts(net: nn.Module, scheme: Fp8Scheme) -> int:
 
 
 @torch.no_grad()
-def quantize_experts(net: nn.Module, tp: TPGroup | None = None) -> int:
-    """--quantization fp8 of a mixture-of-experts model: each expert's 16-bit weights as FP8
-    with a scale per output row, one layer at a time; returns how many layers were. Over
-    ``tp``'s ranks each holds a slice of the down projections' columns: its rows' scales are
-    the whole rows'."""
+def quantize_experts(net: nn.Module, tp: TPGroup | None = None, under: str = "") -> int:
+    """--quantization fp8 of a mixture-of-experts model: each expert's 16-bit weights (within
+    module ``under``) as FP8 with a scale per output row, one layer at a time; returns how many
+    layers were. Over ``tp``'s ranks each holds a slice of the down projections' columns: its
+    rows' scales are the whole rows'."""
     count = 0
-    for module in net.modules():
-        if not hasattr(module, "use_fp8") or module.gate_up_proj.dtype == FP8_DTYPE:
+    prefix = under + "." if under else ""
+    for name, module in net.named_modules():
+        if (not hasattr(module, "use_fp8") or not name.startswith(prefix)
+                or module.gate_up_proj.dtype == FP8_DTYPE):
             continue
         dense = {name: getattr(module, name).data for name in module.WEIGHTS}
         module.use_fp8(None)

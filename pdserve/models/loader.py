@@ -1,6 +1,7 @@
 """Builds a CausalLM from a Hugging Face folder (safetensors) or a preset (random weights)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -16,6 +17,7 @@ from pdserve.models.config import ModelConfig
 from pdserve.models.llama import CausalLM
 from pdserve.models.ops import TorchOps, select_ops
 from pdserve.models.presets import model_config
+from pdserve.models.quant_config import AT_LOAD
 from pdserve.parallel.tensor import Sharded, TPGroup, is_parallel
 from pdserve.progress import progress
 
@@ -45,11 +47,7 @@ def load_model(model: str, dtype: str, device: torch.device, seed: int = 0,
     compute as ``fp8_gemm`` says (fp8.choose_kernels). With a
     ``tp`` group of several ranks, this rank's share of it (see CausalLM): the same weights,
     checkpoint or preset, sliced."""
-    from pdserve.models.quant_config import (
-        AT_LOAD,
-        check_quantization_flag,
-        checkpoint_quant_method,
-    )
+    from pdserve.models.quant_config import check_quantization_flag, checkpoint_quant_method
     from pdserve.models.source import with_max_len
 
     check_quantization_flag(quantization, checkpoint_quant_method(model))
@@ -71,19 +69,25 @@ def load_model(model: str, dtype: str, device: torch.device, seed: int = 0,
         if scheme is not None:
             fp8.use_fp8_linears(net, scheme, torch_dtype)
             fp8.use_fp8_experts(net, scheme)
-    # Then storage on the device, uninitialised (what to_empty does, without the meta
-    # tensors' empty_like, whose first call imports sympy: half a second of every worker's
-    # start).
-    net = net._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
-    if Path(model).is_dir():
-        _load_safetensors(net, Path(model))
-    else:
-        _init_random(net, seed)
-    if quantization == "fp8" and scheme is None:
-        fp8.quantize_linears(net, AT_LOAD)
-        fp8.quantize_experts(net, tp)
-        if device.type == "cuda":   # the 16-bit weights' blocks back to the GPU (KV sizing)
-            torch.cuda.empty_cache()
+    # --quantization fp8 of 16-bit weights: each decoder layer is stored, filled and quantized
+    # before the next, so the 16-bit model never has to fit.
+    by_layer = _Fp8ByLayer(net, device, tp) if quantization == "fp8" and scheme is None else None
+    free = _free_gib(device)
+    try:
+        _store(net, device, skip_layers=by_layer is not None)
+        if Path(model).is_dir():
+            _load_safetensors(net, Path(model), by_layer)
+        else:
+            _init_random(net, seed, by_layer)
+        if by_layer is not None:
+            by_layer.finish()
+    except torch.OutOfMemoryError as err:
+        raise ConfigError(f"--model {model}: its weights do not fit in {device}: "
+                          f"{_weights_gib(config, torch_dtype, by_layer is not None)}"
+                          f"{f' against {free} free' if free else ''}; "
+                          f"{_fitting_hint(quantization, scheme)}") from err
+    if by_layer is not None and device.type == "cuda":   # the 16-bit blocks back (KV sizing)
+        torch.cuda.empty_cache()
     if scheme is not None or quantization == "fp8":
         log.info("weights: %s (%s)", fp8.describe(net),
                  scheme.method if scheme else "--quantization fp8, per-channel scales")
@@ -98,6 +102,93 @@ def load_model(model: str, dtype: str, device: torch.device, seed: int = 0,
     net.prepare(device, ops, fused_rope_kv=fused_rope_kv, triton_gemv=triton_gemv,
                 fused_fp8_quant=fused_fp8_quant)
     return net.eval().requires_grad_(False)
+
+
+def _store(net: CausalLM, device: torch.device, skip_layers: bool = False) -> None:
+    """Storage on ``device`` for the meta model's tensors, uninitialised (what to_empty does,
+    without the meta tensors' empty_like, whose first call imports sympy: half a second of
+    every worker's start); with ``skip_layers``, the decoder layers' stay on meta."""
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=t.dtype, device=device)
+
+    if not skip_layers:
+        net._apply(empty)
+        return
+    net._apply(empty, recurse=False)
+    for name, child in net.named_children():
+        if name != "layers":
+            child._apply(empty)
+
+
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+class _Fp8ByLayer:
+    """--quantization fp8 of a 16-bit model, one decoder layer at a time: a layer is stored in
+    16 bits when its first tensor is filled and quantized when the next layer's is, so the
+    device holds the FP8 model and one 16-bit layer (mixtral-8x7b: 47 GB, where its 16-bit
+    weights, 93 GB, fit no 80 GB GPU)."""
+
+    def __init__(self, net: CausalLM, device: torch.device, tp: TPGroup | None) -> None:
+        self.net, self.device, self.tp = net, device, tp
+        self.layer: int | None = None
+        self.done: set[int] = set()
+
+    def enter(self, name: str) -> None:
+        """Before our parameter ``name`` is filled: its layer stored, the one before quantized."""
+        match = _LAYER.match(name)
+        if match is None or int(match[1]) == self.layer:
+            return
+        self.finish()
+        layer = int(match[1])
+        if layer in self.done:   # tensors must come a layer at a time (see layer_order)
+            raise RuntimeError(f"{name}: layer {layer} was quantized already")
+        self.net.layers[layer]._apply(lambda t: torch.empty(t.shape, dtype=t.dtype,
+                                                            device=self.device))
+        self.layer = layer
+
+    def finish(self) -> None:
+        """The layer being filled, quantized."""
+        if self.layer is None:
+            return
+        under = f"layers.{self.layer}"
+        fp8.quantize_linears(self.net, AT_LOAD, under)
+        fp8.quantize_experts(self.net, self.tp, under)
+        self.done.add(self.layer)
+        self.layer = None
+
+
+def layer_order(name: str) -> int:
+    """Sort key of our parameter ``name``: -1 outside the decoder layers, else its layer."""
+    match = _LAYER.match(name)
+    return -1 if match is None else int(match[1])
+
+
+def _weights_gib(config: ModelConfig, dtype: torch.dtype, fp8_layers: bool) -> str:
+    """The model's weight bytes as the error of a load that does not fit says them."""
+    with torch.device("meta"):
+        net = CausalLM(config)
+    size = torch.finfo(dtype).bits // 8
+    total = sum(p.numel() for p in net.parameters()) * size
+    if not fp8_layers:
+        return f"{total / 2**30:.1f} GiB in {str(dtype).removeprefix('torch.')}"
+    quantized = sum(p.numel() for n, p in net.named_parameters()
+                    if n.startswith("layers.") and p.dim() >= 2)
+    return f"about {(total - quantized * (size - 1)) / 2**30:.1f} GiB with FP8 layers"
+
+
+def _free_gib(device: torch.device) -> str:
+    """A GPU's free memory for that error ("" elsewhere)."""
+    if device.type != "cuda":
+        return ""
+    return f"{torch.cuda.mem_get_info(device)[0] / 2**30:.1f} GiB"
+
+
+def _fitting_hint(quantization: str, scheme: object) -> str:
+    if quantization != "fp8" and scheme is None:
+        return ("--quantization fp8 halves them, --tensor-parallel-size N splits them over N "
+                "GPUs")
+    return "--tensor-parallel-size N splits them over N GPUs, or free the GPU"
 
 
 # A checkpoint's per-expert tensors: Qwen2/3-MoE's mlp.experts.{e}.gate_proj/up_proj/down_proj,
@@ -176,12 +267,12 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 @torch.no_grad()
-def _load_safetensors(net: CausalLM, model_dir: Path) -> None:
+def _load_safetensors(net: CausalLM, model_dir: Path, by_layer: _Fp8ByLayer | None = None
+                      ) -> None:
     from safetensors import safe_open
 
-    params = dict(net.named_parameters())
     # Elements of each parameter that no checkpoint tensor has filled yet.
-    elements_left = {name: p.numel() for name, p in params.items()}
+    elements_left = {name: p.numel() for name, p in net.named_parameters()}
     num_layers = net.config.num_layers
     kv_scales = {"k": [1.0] * num_layers, "v": [1.0] * num_layers}
     found_kv_scales = False
@@ -189,13 +280,16 @@ def _load_safetensors(net: CausalLM, model_dir: Path) -> None:
     fp8_experts: dict[str, dict[str, torch.Tensor]] = {}
 
     def place(key: str, slot: Slot, name: str, tensor: torch.Tensor) -> None:
+        if by_layer is not None:
+            by_layer.enter(name)
+        param = net.get_parameter(name)
         owner = _sharded_owner(net, name)
         if owner is not None:   # this rank's part of the tensor, where it goes in ours
             dim, offset, tensor = owner.shard(name.rpartition(".")[2], tensor, slot.offset)
-            base = params[name] if slot.expert is None else params[name][slot.expert]
+            base = param if slot.expert is None else param[slot.expert]
             target = base.narrow(dim, offset, tensor.shape[dim])
         else:
-            target = slot.target(params[name])
+            target = slot.target(param)
         if name.endswith(".weight_scale"):
             module = net.get_submodule(name.removesuffix(".weight_scale"))
             tensor = fp8.scale_rows(module, key, tensor, target.shape[0])
@@ -209,33 +303,37 @@ def _load_safetensors(net: CausalLM, model_dir: Path) -> None:
         elements_left[name] -= target.numel()
 
     files = _checkpoint_files(model_dir)
-    for file in progress(files, len(files), f"loading {model_dir.name} weights"):
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
-                if "rotary_emb" in key or (key == "lm_head.weight" and net.config.tie_word_embeddings):
-                    continue
-                kv_scale = _kv_scale_slot(key)
-                if kv_scale is not None and kv_scale[0] < num_layers:
-                    layer, kind = kv_scale
-                    kv_scales[kind][layer] = float(f.get_tensor(key).float().reshape(-1)[0])
-                    found_kv_scales = True
-                    continue
-                if key.endswith(fp8.INPUT_SCALE_SUFFIXES):   # activations: scaled per token
-                    continue
-                expert_scale = _EXPERT_SCALE.search(key)
-                if expert_scale:
-                    weight_key = key[:expert_scale.start(1)] + "weight"
-                    fp8_experts.setdefault(weight_key, {})["scale"] = f.get_tensor(key)
-                    continue
-                slot = _slot(net.config, key)
-                name = _our_param_name(slot.name)
-                if name not in params:
-                    raise ValueError(f"{file.name}: unexpected tensor {key!r}")
-                tensor = f.get_tensor(key)
-                if slot.expert is not None and tensor.dtype == fp8.FP8_DTYPE:
-                    fp8_experts.setdefault(key, {})["weight"] = tensor
-                    continue
-                place(key, slot, name, tensor)
+    with contextlib.ExitStack() as stack:
+        handles = {file: stack.enter_context(safe_open(str(file), framework="pt"))
+                   for file in files}
+        keys = [(file, f, key) for file, f in handles.items() for key in f.keys()]
+        if by_layer is not None:   # a decoder layer's tensors together, the layers in order
+            keys.sort(key=lambda item: layer_order(_slot(net.config, item[2]).name))
+        for file, f, key in progress(keys, len(keys), f"loading {model_dir.name} weights"):
+            if "rotary_emb" in key or (key == "lm_head.weight" and net.config.tie_word_embeddings):
+                continue
+            kv_scale = _kv_scale_slot(key)
+            if kv_scale is not None and kv_scale[0] < num_layers:
+                layer, kind = kv_scale
+                kv_scales[kind][layer] = float(f.get_tensor(key).float().reshape(-1)[0])
+                found_kv_scales = True
+                continue
+            if key.endswith(fp8.INPUT_SCALE_SUFFIXES):   # activations: scaled per token
+                continue
+            expert_scale = _EXPERT_SCALE.search(key)
+            if expert_scale:
+                weight_key = key[:expert_scale.start(1)] + "weight"
+                fp8_experts.setdefault(weight_key, {})["scale"] = f.get_tensor(key)
+                continue
+            slot = _slot(net.config, key)
+            name = _our_param_name(slot.name)
+            if name not in elements_left:
+                raise ValueError(f"{file.name}: unexpected tensor {key!r}")
+            tensor = f.get_tensor(key)
+            if slot.expert is not None and tensor.dtype == fp8.FP8_DTYPE:
+                fp8_experts.setdefault(key, {})["weight"] = tensor
+                continue
+            place(key, slot, name, tensor)
     scheme = net.config.weight_quant
     for key, parts in fp8_experts.items():
         if "weight" not in parts or "scale" not in parts:
@@ -244,7 +342,7 @@ def _load_safetensors(net: CausalLM, model_dir: Path) -> None:
         slot = _slot(net.config, key)
         name = _our_param_name(slot.name)
         place(key, slot, name, parts["weight"])   # FP8 bytes into FP8 experts, as they are
-        target = slot.target(params[name + "_scale"])
+        target = slot.target(net.get_parameter(name + "_scale"))
         target.copy_(fp8.fit_scale(key, parts["scale"], target.shape[0], parts["weight"].shape[1],
                                    target.shape[1], scheme.block_size if scheme else None))
         elements_left[name + "_scale"] -= target.numel()
@@ -281,7 +379,7 @@ def _sharded_owner(net: CausalLM, param_name: str) -> Sharded | None:
 
 
 @torch.no_grad()
-def _init_random(net: CausalLM, seed: int) -> None:
+def _init_random(net: CausalLM, seed: int, by_layer: _Fp8ByLayer | None = None) -> None:
     # A fixed order and seed: every process with the same preset gets the same weights.
     # Scales keep activations and logits O(1), so greedy choices are far from ties.
     # A tensor-parallel rank draws each whole tensor and keeps its part: the same weights for
@@ -295,7 +393,10 @@ def _init_random(net: CausalLM, seed: int) -> None:
     numel = sum(math.prod(shape) for shape in shapes.values())
     draw_on = torch.device("cpu") if numel <= CPU_INIT_MAX_PARAMS else device
     gen = torch.Generator(draw_on).manual_seed(seed)
-    for name, param in sorted(net.named_parameters()):
+    for name, _ in sorted(net.named_parameters()):   # a layer's names are consecutive
+        if by_layer is not None:
+            by_layer.enter(name)
+        param = net.get_parameter(name)
         if "norm" in name:
             param.fill_(1.0)
             continue
