@@ -321,8 +321,8 @@ def quantize_experts(net: nn.Module, tp: TPGroup | None = None, under: str = "")
     rows' scales are the whole rows'."""
     count = 0
     prefix = under + "." if under else ""
-    for name, module in net.named_modules():
-        if (not hasattr(module, "use_fp8") or not name.startswith(prefix)
+    for path, module in net.named_modules():
+        if (not hasattr(module, "use_fp8") or not path.startswith(prefix)
                 or module.gate_up_proj.dtype == FP8_DTYPE):
             continue
         dense = {name: getattr(module, name).data for name in module.WEIGHTS}

@@ -141,7 +141,7 @@ class _Fp8ByLayer:
             return
         self.finish()
         layer = int(match[1])
-        if layer in self.done:   # tensors must come a layer at a time (see layer_order)
+        if layer in self.done:   # tensors must come a layer at a time (see _layer_order)
             raise RuntimeError(f"{name}: layer {layer} was quantized already")
         self.net.layers[layer]._apply(lambda t: torch.empty(t.shape, dtype=t.dtype,
                                                             device=self.device))
@@ -158,7 +158,7 @@ class _Fp8ByLayer:
         self.layer = None
 
 
-def layer_order(name: str) -> int:
+def _layer_order(name: str) -> int:
     """Sort key of our parameter ``name``: -1 outside the decoder layers, else its layer."""
     match = _LAYER.match(name)
     return -1 if match is None else int(match[1])
@@ -308,7 +308,7 @@ def _load_safetensors(net: CausalLM, model_dir: Path, by_layer: _Fp8ByLayer | No
                    for file in files}
         keys = [(file, f, key) for file, f in handles.items() for key in f.keys()]
         if by_layer is not None:   # a decoder layer's tensors together, the layers in order
-            keys.sort(key=lambda item: layer_order(_slot(net.config, item[2]).name))
+            keys.sort(key=lambda item: _layer_order(_slot(net.config, item[2]).name))
         for file, f, key in progress(keys, len(keys), f"loading {model_dir.name} weights"):
             if "rotary_emb" in key or (key == "lm_head.weight" and net.config.tie_word_embeddings):
                 continue
