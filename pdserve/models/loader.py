@@ -83,7 +83,7 @@ def load_model(model: str, dtype: str, device: torch.device, seed: int = 0,
             by_layer.finish()
     except torch.OutOfMemoryError as err:
         raise ConfigError(f"--model {model}: its weights do not fit in {device}: "
-                          f"{_weights_gib(config, torch_dtype, by_layer is not None)}"
+                          f"{_weights_gib(net, by_layer is not None)}"
                           f"{f' against {free} free' if free else ''}; "
                           f"{_fitting_hint(quantization, scheme)}") from err
     if by_layer is not None and device.type == "cuda":   # the 16-bit blocks back (KV sizing)
@@ -104,18 +104,18 @@ def load_model(model: str, dtype: str, device: torch.device, seed: int = 0,
     return net.eval().requires_grad_(False)
 
 
-def _store(net: CausalLM, device: torch.device, skip_layers: bool = False) -> None:
-    """Storage on ``device`` for the meta model's tensors, uninitialised (what to_empty does,
+def _store(module: torch.nn.Module, device: torch.device, skip_layers: bool = False) -> None:
+    """Storage on ``device`` for a meta module's tensors, uninitialised (what to_empty does,
     without the meta tensors' empty_like, whose first call imports sympy: half a second of
-    every worker's start); with ``skip_layers``, the decoder layers' stay on meta."""
+    every worker's start); with ``skip_layers``, a CausalLM's decoder layers stay on meta."""
     def empty(t: torch.Tensor) -> torch.Tensor:
         return torch.empty(t.shape, dtype=t.dtype, device=device)
 
     if not skip_layers:
-        net._apply(empty)
+        module._apply(empty)
         return
-    net._apply(empty, recurse=False)
-    for name, child in net.named_children():
+    module._apply(empty, recurse=False)
+    for name, child in module.named_children():
         if name != "layers":
             child._apply(empty)
 
@@ -136,15 +136,13 @@ class _Fp8ByLayer:
 
     def enter(self, name: str) -> None:
         """Before our parameter ``name`` is filled: its layer stored, the one before quantized."""
-        match = _LAYER.match(name)
-        if match is None or int(match[1]) == self.layer:
+        layer = _layer_order(name)
+        if layer < 0 or layer == self.layer:
             return
         self.finish()
-        layer = int(match[1])
         if layer in self.done:   # tensors must come a layer at a time (see _layer_order)
             raise RuntimeError(f"{name}: layer {layer} was quantized already")
-        self.net.layers[layer]._apply(lambda t: torch.empty(t.shape, dtype=t.dtype,
-                                                            device=self.device))
+        _store(self.net.layers[layer], self.device)
         self.layer = layer
 
     def finish(self) -> None:
@@ -164,17 +162,15 @@ def _layer_order(name: str) -> int:
     return -1 if match is None else int(match[1])
 
 
-def _weights_gib(config: ModelConfig, dtype: torch.dtype, fp8_layers: bool) -> str:
-    """The model's weight bytes as the error of a load that does not fit says them."""
-    with torch.device("meta"):
-        net = CausalLM(config)
-    size = torch.finfo(dtype).bits // 8
-    total = sum(p.numel() for p in net.parameters()) * size
+def _weights_gib(net: CausalLM, fp8_layers: bool) -> str:
+    """This process's share of the weights, as the error of a load that does not fit says it:
+    from the parameters' shapes and dtypes (some stored, some still on meta), a decoder layer's
+    matrices at one byte where ``fp8_layers`` quantizes them."""
+    total = sum(p.numel() * (1 if fp8_layers and n.startswith("layers.") and p.dim() >= 2
+                             else p.element_size()) for n, p in net.named_parameters())
     if not fp8_layers:
-        return f"{total / 2**30:.1f} GiB in {str(dtype).removeprefix('torch.')}"
-    quantized = sum(p.numel() for n, p in net.named_parameters()
-                    if n.startswith("layers.") and p.dim() >= 2)
-    return f"about {(total - quantized * (size - 1)) / 2**30:.1f} GiB with FP8 layers"
+        return f"{total / 2**30:.1f} GiB of weights"
+    return f"about {total / 2**30:.1f} GiB of weights with FP8 layers"
 
 
 def _free_gib(device: torch.device) -> str:
