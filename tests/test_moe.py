@@ -160,8 +160,9 @@ def test_real_presets_have_their_published_shapes():
 
 
 def test_quantization_fp8_holds_experts_as_fp8_with_a_scale_per_row():
-    """--quantization fp8 of a mixture-of-experts model: its experts FP8 too, and the model
-    computes exactly what it computes with those weights dequantized."""
+    """--quantization fp8 of a mixture-of-experts model: its experts FP8 too, its routers
+    16-bit as FP8 checkpoints leave them, and the model computes exactly what it computes with
+    those weights dequantized."""
     dense = ModelRunner(EngineConfig(model="tiny-moe", device="cpu", page_size=4, num_pages=64),
                         "prefill")
     runner = ModelRunner(EngineConfig(model="tiny-moe", device="cpu", page_size=4, num_pages=64,
@@ -173,6 +174,8 @@ def test_quantization_fp8_holds_experts_as_fp8_with_a_scale_per_row():
         if experts is None:   # mlp_only_layers
             continue
         assert experts.quantized and experts.gate_up_proj.dtype == torch.float8_e4m3fn
+        assert type(layer.mlp.gate) is torch.nn.Linear
+        assert torch.equal(layer.mlp.gate.weight, dense_layer.mlp.gate.weight)
         assert experts.gate_up_proj_scale.shape == (*experts.gate_up_proj.shape[:2], 1)
         for name in experts.WEIGHTS:
             original = getattr(dense_layer.mlp.experts, name)
@@ -185,6 +188,15 @@ def test_quantization_fp8_holds_experts_as_fp8_with_a_scale_per_row():
                 dense_layer.get_submodule(name).weight.data.copy_(module.dequantized(torch.float32))
     want = dense.forward([SeqInput(ids, 0, dense.pool.allocator.alloc(10))])
     torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_quantization_fp8_leaves_routers_and_shared_expert_gates_16_bit():
+    from pdserve.models.quant_config import AT_LOAD
+    for name in ("model.layers.3.mlp.gate", "model.layers.3.mlp.shared_expert_gate"):
+        assert not AT_LOAD.quantizes(name), name
+    for name in ("model.layers.3.mlp.gate_proj", "model.layers.3.mlp.experts.0.gate_proj",
+                 "model.layers.3.mlp.shared_expert.gate_proj", "model.layers.3.self_attn.q_proj"):
+        assert AT_LOAD.quantizes(name), name
 
 
 def _fp8_moe_folder(hf: transformers.PreTrainedModel, folder) -> dict[str, torch.Tensor]:

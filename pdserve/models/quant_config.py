@@ -49,9 +49,11 @@ class Fp8Scheme:
         return not any(_hf_match(pattern, hf_module) for pattern in self.ignore)
 
 
-AT_LOAD = Fp8Scheme(method="fp8-at-load", strategy="channel", block_size=None)
+AT_LOAD = Fp8Scheme(method="fp8-at-load", strategy="channel", block_size=None,
+                    ignore=("mlp.gate", "mlp.shared_expert_gate"))
 """--quantization fp8 of a 16-bit checkpoint: per-output-channel weight scales, activations
-dynamic per token (fp8_gemm.py)."""
+dynamic per token (fp8_gemm.py). Mixture-of-experts routers stay 16-bit, as FP8 checkpoints
+leave them: their few bytes choose the experts."""
 
 
 def checkpoint_quant_method(model: str) -> str:
