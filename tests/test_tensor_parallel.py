@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -22,9 +23,12 @@ from pdserve.engine.batch import SeqInput
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampling import SampleRow, SamplingParams
 from pdserve.errors import ConfigError
+from pdserve.models.fp8 import FP8_DTYPE, FP8_MAX
 from pdserve.models.llama import CausalLM
-from pdserve.models.loader import load_model
+from pdserve.models.moe import ShardedExperts
 from pdserve.models.presets import PRESETS
+from pdserve.models.quant_config import Fp8Scheme
+from pdserve.parallel.ranks import check_splits
 from pdserve.parallel.tensor import TPGroup
 
 RANKS = 2
@@ -58,7 +62,15 @@ MOE_FOLDERS = {
 # --quantization fp8 at load: each rank quantizes its slices, a row-parallel slice with the whole
 # row's scale, so the FP8 weights are one process's.
 FP8 = {"tiny-fp8": "tiny+fp8", "tiny-moe-fp8": "tiny-moe+fp8"}
-SHAPES = ["tiny", "tiny-moe", *FP8, *FOLDERS, *MOE_FOLDERS]
+# FP8 checkpoints of those folders: each rank takes its rows of the FP8 bytes and their scales
+# (a block's scale repeated over its rows first), and a row-parallel slice its column blocks.
+# Blocks of 8 so that the small layers' slices hold whole blocks; routers stay 16-bit.
+FP8_BLOCK = 8
+FP8_FOLDERS = {"qwen3-1-kv-head-fp8": ("qwen3-1-kv-head", "block"),
+               "llama-biases-tied-fp8-channel": ("llama-biases-tied", "channel"),
+               "qwen2-moe-shared-expert-fp8": ("qwen2-moe-shared-expert", "block"),
+               "mixtral-fp8": ("mixtral", "block")}
+SHAPES = ["tiny", "tiny-moe", *FP8, *FOLDERS, *MOE_FOLDERS, *FP8_FOLDERS]
 
 
 def write_checkpoint(folder: Path, cfg: dict) -> None:
@@ -123,6 +135,49 @@ def write_moe_checkpoint(folder: Path, name: str) -> None:
         hf.save_pretrained(folder)
 
 
+def write_fp8_checkpoint(src: Path, folder: Path, scheme: str) -> None:
+    """``src``'s checkpoint with its decoder layers' linear weights (experts included, routers
+    not) as e4m3: FP8_BLOCK-square block scales (``block``, as Qwen3-*-FP8) or one per row
+    (``channel``, compressed-tensors)."""
+    from safetensors.torch import load_file
+
+    router = re.compile(r"\.(gate|shared_expert_gate)\.weight$")
+    tensors = {}
+    for key, value in load_file(str(src / "model.safetensors")).items():
+        if not (key.startswith("model.layers.") and value.dim() == 2 and not router.search(key)):
+            tensors[key] = value
+            continue
+        if scheme == "channel":
+            scale = value.abs().amax(dim=1, keepdim=True) / FP8_MAX
+            tensors[key], tensors[key + "_scale"] = (value / scale).to(FP8_DTYPE), scale
+            continue
+        rows, cols = value.shape
+        blocks = torch.zeros(-(-rows // FP8_BLOCK) * FP8_BLOCK, -(-cols // FP8_BLOCK) * FP8_BLOCK)
+        blocks[:rows, :cols] = value
+        scale = blocks.unflatten(0, (-1, FP8_BLOCK)).unflatten(2, (-1, FP8_BLOCK)).abs().amax(
+            dim=(1, 3)) / FP8_MAX
+        full = scale.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)
+        tensors[key] = (value / full[:rows, :cols]).to(FP8_DTYPE)
+        tensors[key.removesuffix("weight") + "weight_scale_inv"] = scale
+    config = json.loads((src / "config.json").read_text())
+    if scheme == "channel":
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "float-quantized",
+            "ignore": ["lm_head", "re:.*\\.gate$", "re:.*shared_expert_gate$"],
+            "config_groups": {"group_0": {
+                "targets": ["Linear"], "input_activations": None,
+                "weights": {"num_bits": 8, "type": "float", "strategy": "channel",
+                            "symmetric": True, "dynamic": False}}}}
+    else:
+        config["quantization_config"] = {
+            "quant_method": "fp8", "activation_scheme": "dynamic",
+            "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+            "modules_to_not_convert": ["lm_head", "mlp.gate", "mlp.shared_expert_gate"]}
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(folder / "model.safetensors"))
+
+
 def run_script(model: str, tp: TPGroup | None) -> dict[str, torch.Tensor]:
     """Two prompts prefilled in one step, the second chunked (its prefix first, through the
     paged pool), then NEW_TOKENS greedy tokens for both, decoded as one batch."""
@@ -146,8 +201,10 @@ def run_script(model: str, tp: TPGroup | None) -> dict[str, torch.Tensor]:
                 for out, page_ids in zip(tokens, pages)]
         for out, token in zip(tokens, runner.step(seqs, greedy).tokens):
             out.append(token)
+    fp8_layers = sum(p.dtype == FP8_DTYPE for p in runner.model.parameters())
     return {"prefill_logits": logits, "chunk_logits": first[1], "tokens": torch.tensor(tokens),
-            "kv_heads": torch.tensor(runner.pool.layout.num_kv_heads)}
+            "kv_heads": torch.tensor(runner.pool.layout.num_kv_heads),
+            "fp8_layers": torch.tensor(fp8_layers)}
 
 
 def _rank_main(rank: int, port: int, models: dict[str, str], out_dir: str) -> None:
@@ -178,6 +235,9 @@ def results(tmp_path_factory) -> tuple[dict, list[dict]]:
         models[shape] = str(root / shape)
     for shape in MOE_FOLDERS:
         write_moe_checkpoint(root / shape, shape)
+        models[shape] = str(root / shape)
+    for shape, (src, scheme) in FP8_FOLDERS.items():
+        write_fp8_checkpoint(root / src, root / shape, scheme)
         models[shape] = str(root / shape)
     mp.spawn(_rank_main, args=(_free_port(), models, str(root)), nprocs=RANKS, join=True)
     threads = torch.get_num_threads()
@@ -225,15 +285,20 @@ def test_kv_heads_that_do_not_split_over_the_ranks_are_refused():
         CausalLM(replace(tiny, num_heads=12, num_kv_heads=3), TPGroup(0, 4))
 
 
-def test_fp8_checkpoints_are_refused(tmp_path):
-    folder = tmp_path / "fp8"
-    write_checkpoint(folder, FOLDERS["qwen3-1-kv-head"])
-    config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
-    (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConfigError, match="tensor parallelism does not load FP8 checkpoints "
-                       "yet"):
-        load_model(str(folder), "float32", torch.device("cpu"), tp=TPGroup(0, 2))
+def test_fp8_checkpoints_load_as_fp8_on_every_rank(results):
+    for shape in FP8_FOLDERS:   # what the ranks computed is checked above
+        assert all(rank[shape]["fp8_layers"] for rank in results[1]), shape
+
+
+def test_ranks_that_would_cut_fp8_scale_blocks_are_refused_in_one_line():
+    config = replace(PRESETS["qwen3-30b-a3b"], weight_quant=Fp8Scheme("fp8", "block", (128, 128)))
+    check_splits(config, 2)   # 384 of the experts' 768 columns a rank: three blocks
+    with pytest.raises(ConfigError, match=r"--tensor-parallel-size 4: each rank's 192 columns "
+                       r"of the experts' intermediate size \(768\) would cut the checkpoint's "
+                       r"128-column FP8 scale blocks"):
+        check_splits(config, 4)
+    with torch.device("meta"), pytest.raises(ValueError, match="cuts the checkpoint's 128-column"):
+        ShardedExperts(8, 64, 768, TPGroup(0, 4)).use_fp8(128)
 
 
 def test_experts_that_do_not_split_over_the_ranks_are_refused():

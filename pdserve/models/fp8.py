@@ -19,7 +19,8 @@ from torch import nn
 
 from pdserve.models import fp8_gemm
 from pdserve.models.quant_config import Fp8Scheme
-from pdserve.parallel.tensor import ColumnParallelLinear, RowParallelLinear, TPGroup, is_parallel
+from pdserve.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, Sharded, TPGroup,
+                                     is_parallel)
 
 log = logging.getLogger(__name__)
 
@@ -117,19 +118,65 @@ class Fp8Linear(nn.Module):
                 f"block_cols={self.block_cols}, kernel={self.kernel or 'dequantized'}")
 
 
-class Fp8RowParallelLinear(Fp8Linear):
-    """A row-parallel layer's FP8 slice of input columns: its partial products summed across
-    the ranks (all-reduce), then the bias, once."""
+class Fp8ColumnParallelLinear(Fp8Linear, Sharded):
+    """A column-parallel layer's FP8 rows: this rank's rows of each part with their scales. A
+    checkpoint's block scales are made one per row before they are split, so rows split
+    anywhere."""
 
-    def __init__(self, layer: RowParallelLinear) -> None:
-        super().__init__(layer.input.rows, layer.out_features, layer.bias is not None, None,
+    def __init__(self, layer: ColumnParallelLinear, block_size: tuple[int, int] | None,
+                 dtype: torch.dtype) -> None:
+        super().__init__(layer.in_features, layer.out_features, layer.bias is not None,
+                         block_size, dtype)
+        self.parts = layer.parts
+
+    def full_shape(self, param: str) -> tuple[int, ...]:
+        rows = sum(p.size for p in self.parts)
+        return (rows, *getattr(self, param).shape[1:])
+
+    shard = ColumnParallelLinear.shard   # rows, whatever the parameter (weight, scale, bias)
+    shard_full = ColumnParallelLinear.shard_full
+
+
+class Fp8RowParallelLinear(Fp8Linear, Sharded):
+    """A row-parallel layer's FP8 slice of input columns: its partial products summed across
+    the ranks (all-reduce), then the bias, once. Its slice holds whole column blocks of a
+    block checkpoint's scales (ValueError otherwise); a row's one scale is every rank's."""
+
+    def __init__(self, layer: RowParallelLinear, block_size: tuple[int, int] | None = None
+                 ) -> None:
+        part = layer.input
+        if block_size is not None and (part.start % block_size[1] or (
+                part.rows % block_size[1] and part.start + part.rows != part.size)):
+            raise ValueError(f"tensor parallelism over {layer.tp.size} ranks gives each rank "
+                             f"{part.rows} of {part.size} input columns, which cuts the "
+                             f"checkpoint's {block_size[1]}-column scale blocks")
+        super().__init__(part.rows, layer.out_features, layer.bias is not None, block_size,
                          layer.weight.dtype)
         self.tp = layer.tp
-        self.full_in_features = layer.input.size
+        self.input = part
+        self.full_in_features = part.size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(self.product(x))
         return y if self.bias is None else y + self.bias
+
+    def full_shape(self, param: str) -> tuple[int, ...]:
+        if param == "weight":
+            return (self.out_features, self.input.size)
+        if param == "weight_scale":
+            return (self.out_features,
+                    -(-self.input.size // self.block_cols) if self.blocked else 1)
+        return (self.out_features,)
+
+    def shard(self, param: str, full: torch.Tensor, offset: int = 0
+              ) -> tuple[int, int, torch.Tensor]:
+        part = self.input
+        if param == "weight":
+            return 1, 0, full[:, part.start:part.start + part.rows]
+        if param == "weight_scale" and full.shape[1] > 1:   # column blocks
+            first = part.start // self.block_cols
+            return 1, 0, full[:, first:first + self.weight_scale.shape[1]]
+        return 0, 0, full   # the bias, and a row's one scale, are whole on every rank
 
 
 def takes_fp8_rows(layer: nn.Module) -> bool:
@@ -176,9 +223,14 @@ def use_fp8_linears(net: nn.Module, scheme: Fp8Scheme, dtype: torch.dtype) -> No
     checkpoint's FP8 weights and scales are loaded into them)."""
     for name in _quantized_linears(net, scheme):
         linear = net.get_submodule(name)
-        net.set_submodule(name, Fp8Linear(
-            linear.in_features, linear.out_features, linear.bias is not None, scheme.block_size,
-            dtype).to(linear.weight.device))
+        if isinstance(linear, RowParallelLinear):
+            fp8: Fp8Linear = Fp8RowParallelLinear(linear, scheme.block_size)
+        elif isinstance(linear, ColumnParallelLinear):
+            fp8 = Fp8ColumnParallelLinear(linear, scheme.block_size, dtype)
+        else:
+            fp8 = Fp8Linear(linear.in_features, linear.out_features, linear.bias is not None,
+                            scheme.block_size, dtype)
+        net.set_submodule(name, fp8.to(linear.weight.device))
 
 
 @torch.no_grad()
@@ -208,8 +260,10 @@ def quantize_linears(net: nn.Module, scheme: Fp8Scheme, under: str = "") -> int:
             fp8.weight.data, fp8.weight_scale.data = quantize_per_channel(linear.weight,
                                                                           linear.tp)
         else:   # whole rows (a column-parallel layer holds some of them)
-            fp8 = Fp8Linear(linear.in_features, linear.out_features, linear.bias is not None,
-                            None, linear.weight.dtype).to(linear.weight.device)
+            fp8 = (Fp8ColumnParallelLinear(linear, None, linear.weight.dtype)
+                   if isinstance(linear, ColumnParallelLinear) else
+                   Fp8Linear(linear.in_features, linear.out_features, linear.bias is not None,
+                             None, linear.weight.dtype)).to(linear.weight.device)
             fp8.weight.data, fp8.weight_scale.data = quantize_per_channel(linear.weight)
         if linear.bias is not None:
             fp8.bias.data = linear.bias.data
@@ -272,14 +326,6 @@ def dequantize_linear(net: nn.Module, name: str, dtype: torch.dtype) -> None:
     if fp8.bias is not None:
         linear.bias = nn.Parameter(fp8.bias.data.to(dtype), requires_grad=False)
     net.set_submodule(name, linear)
-
-
-def scale_rows(module: Fp8Linear, key: str, scale: torch.Tensor, rows: int) -> torch.Tensor:
-    """A checkpoint's weight scale for ``rows`` output rows of ``module`` in our layout
-    [rows, column blocks] float32 (see the module's docstring); ValueError if its shape fits
-    neither a per-tensor, a per-channel nor a block scale."""
-    return fit_scale(key, scale, rows, module.in_features, module.weight_scale.shape[1],
-                     module.block_size)
 
 
 def fit_scale(key: str, scale: torch.Tensor, rows: int, cols: int, col_blocks: int,

@@ -18,7 +18,7 @@ from pdserve.models.llama import CausalLM
 from pdserve.models.ops import TorchOps, select_ops
 from pdserve.models.presets import model_config
 from pdserve.models.quant_config import AT_LOAD
-from pdserve.parallel.tensor import Sharded, TPGroup, is_parallel
+from pdserve.parallel.tensor import Sharded, TPGroup
 from pdserve.progress import progress
 
 __all__ = ["DTYPES", "load_model", "model_config", "resolve_dtype"]
@@ -56,10 +56,6 @@ def load_model(model: str, dtype: str, device: torch.device, seed: int = 0,
     except ValueError as err:   # an unsupported architecture or quantization: one line
         raise ConfigError(f"--model {model}: {err}") from err
     scheme = config.weight_quant
-    if is_parallel(tp) and scheme is not None:
-        # A checkpoint's Fp8Linear (with its block scales) is not sharded yet.
-        raise ConfigError(f"--model {model}: tensor parallelism does not load FP8 checkpoints "
-                          "yet (--quantization fp8 of a 16-bit checkpoint runs with it)")
     torch_dtype = resolve_dtype(dtype, config)
     with torch.device("meta"):
         net = CausalLM(config, tp)
@@ -280,19 +276,24 @@ def _load_safetensors(net: CausalLM, model_dir: Path, by_layer: _Fp8ByLayer | No
             by_layer.enter(name)
         param = net.get_parameter(name)
         owner = _sharded_owner(net, name)
+        if name.endswith(".weight_scale"):   # a scale per row first: rows then split anywhere
+            module = net.get_submodule(name.removesuffix(".weight_scale"))
+            rows, cols = (owner.full_shape("weight") if owner is not None
+                          else module.weight.shape)
+            blocks = (owner.full_shape("weight_scale") if owner is not None
+                      else module.weight_scale.shape)[1]
+            tensor = fp8.fit_scale(key, tensor, slot.rows if slot.rows >= 0 else rows, cols,
+                                   blocks, module.block_size)
+        elif (tensor.dtype == fp8.FP8_DTYPE) != (param.dtype == fp8.FP8_DTYPE):
+            raise ValueError(f"{key}: {str(tensor.dtype).removeprefix('torch.')} in the "
+                             "checkpoint, but its quantization_config makes it "
+                             f"{str(param.dtype).removeprefix('torch.')}")
         if owner is not None:   # this rank's part of the tensor, where it goes in ours
             dim, offset, tensor = owner.shard(name.rpartition(".")[2], tensor, slot.offset)
             base = param if slot.expert is None else param[slot.expert]
             target = base.narrow(dim, offset, tensor.shape[dim])
         else:
             target = slot.target(param)
-        if name.endswith(".weight_scale"):
-            module = net.get_submodule(name.removesuffix(".weight_scale"))
-            tensor = fp8.scale_rows(module, key, tensor, target.shape[0])
-        elif (tensor.dtype == fp8.FP8_DTYPE) != (target.dtype == fp8.FP8_DTYPE):
-            raise ValueError(f"{key}: {str(tensor.dtype).removeprefix('torch.')} in the "
-                             "checkpoint, but its quantization_config makes it "
-                             f"{str(target.dtype).removeprefix('torch.')}")
         if tensor.shape != target.shape:
             raise ValueError(f"{key}: shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
         target.copy_(tensor)
@@ -337,11 +338,13 @@ def _load_safetensors(net: CausalLM, model_dir: Path, by_layer: _Fp8ByLayer | No
                              f"{'scale' if 'weight' in parts else 'weight'}")
         slot = _slot(net.config, key)
         name = _our_param_name(slot.name)
-        place(key, slot, name, parts["weight"])   # FP8 bytes into FP8 experts, as they are
-        target = slot.target(net.get_parameter(name + "_scale"))
-        target.copy_(fp8.fit_scale(key, parts["scale"], target.shape[0], parts["weight"].shape[1],
-                                   target.shape[1], scheme.block_size if scheme else None))
-        elements_left[name + "_scale"] -= target.numel()
+        weight = parts["weight"]
+        place(key, slot, name, weight)   # FP8 bytes into FP8 experts, as they are
+        block = scheme.block_size if scheme else None
+        # The whole expert's scale, one per row, before a tensor-parallel rank takes its part.
+        place(key, slot, name + "_scale", fp8.fit_scale(
+            key, parts["scale"], weight.shape[0], weight.shape[1],
+            -(-weight.shape[1] // block[1]) if block else 1, block))
     missing = [name for name, left in elements_left.items() if left != 0]
     if missing:
         raise ValueError(f"{model_dir}: checkpoint lacks {', '.join(sorted(missing)[:5])}")

@@ -127,22 +127,42 @@ class ShardedExperts(Experts, Sharded):
         self.part = part
         self.full_intermediate = intermediate_size
 
+    def use_fp8(self, block_cols: int | None) -> None:
+        """As Experts.use_fp8; ValueError where this rank's down columns cut the checkpoint's
+        column blocks (gate/up rows split anywhere: their scales are kept per row)."""
+        part = self.part
+        if block_cols is not None and (part.start % block_cols or part.rows % block_cols):
+            raise ValueError(f"tensor parallelism gives each rank {part.rows} of the experts' "
+                             f"{part.size} intermediate columns, which cuts the checkpoint's "
+                             f"{block_cols}-column scale blocks")
+        super().use_fp8(block_cols)
+
     def full_shape(self, param: str) -> tuple[int, ...]:
         experts, rows, cols = getattr(self, param).shape
-        if param == "gate_up_proj":
+        if param.startswith("gate_up_proj"):
             return (experts, 2 * self.full_intermediate, cols)
+        if param == "down_proj_scale":
+            return (experts, rows, cols if cols == 1 else
+                    self.full_intermediate // self.scale_cols["down_proj"])
         return (experts, rows, self.full_intermediate)
 
     def shard(self, param: str, full: torch.Tensor, offset: int = 0
               ) -> tuple[int, int, torch.Tensor]:
         """One expert's checkpoint tensor (gate or up rows at ``offset``, or down) as this
-        rank's part, the dims the expert's own; or every expert's, stacked."""
+        rank's part, the dims the expert's own; or every expert's, stacked. An FP8 expert's
+        scales (``<weight>_scale``, a scale per row) split as its rows, and down's column
+        blocks as its columns."""
         part = self.part
         if full.dim() == 3:   # a checkpoint that stacks every expert (as transformers holds them)
             return 0, 0, self.shard_full(param, full)
-        if param == "gate_up_proj":
+        if param.startswith("gate_up_proj"):
             local = 0 if offset == 0 else part.rows
             return 0, local, full[part.start:part.start + part.rows]
+        if param == "down_proj_scale":
+            if full.shape[1] == 1:   # a row's one scale: every rank's
+                return 1, 0, full
+            block = self.scale_cols["down_proj"]
+            return 1, 0, full[:, part.start // block:(part.start + part.rows) // block]
         return 1, 0, full[:, part.start:part.start + part.rows]
 
     def shard_full(self, param: str, full: torch.Tensor) -> torch.Tensor:

@@ -117,12 +117,20 @@ def check_splits(model_config, size: int) -> None:  # noqa: ANN001 - a ModelConf
         HeadSplit.of(model_config.num_heads, model_config.num_kv_heads, TPGroup(0, size))
     except ValueError as err:
         raise ConfigError(f"{flag}: {err}") from err
-    for what, width in (("the MLP's intermediate size", model_config.intermediate_size),
+    # The widths a row-parallel layer splits: a block FP8 checkpoint's slices must hold whole
+    # column blocks of its scales (the heads above already divide the attention output's).
+    block = model_config.weight_quant.block_size if model_config.weight_quant else None
+    for what, width in (("the attention output's input", model_config.q_size),
+                        ("the MLP's intermediate size", model_config.intermediate_size),
                         ("the experts' intermediate size", model_config.moe_intermediate_size),
                         ("the shared expert's intermediate size",
                          model_config.shared_expert_intermediate_size)):
         if width % size:
             raise ConfigError(f"{flag}: {what} ({width}) is not divisible by {size}")
+        if block and width and (width // size) % block[1]:
+            raise ConfigError(f"{flag}: each rank's {width // size} columns of {what} "
+                              f"({width}) would cut the checkpoint's {block[1]}-column FP8 "
+                              "scale blocks; use fewer ranks")
 
 
 class RankedRunner:
