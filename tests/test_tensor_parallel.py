@@ -23,13 +23,13 @@ from pdserve.engine.batch import SeqInput
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampling import SampleRow, SamplingParams
 from pdserve.errors import ConfigError
-from pdserve.models.fp8 import FP8_DTYPE, FP8_MAX
+from pdserve.models.fp8 import FP8_DTYPE, FP8_MAX, Fp8RowParallelLinear
 from pdserve.models.llama import CausalLM
 from pdserve.models.moe import ShardedExperts
 from pdserve.models.presets import PRESETS
 from pdserve.models.quant_config import Fp8Scheme
 from pdserve.parallel.ranks import check_splits
-from pdserve.parallel.tensor import TPGroup
+from pdserve.parallel.tensor import RowParallelLinear, TPGroup
 
 RANKS = 2
 PROMPT_LEN, CHUNK, NEW_TOKENS = 23, 10, 8
@@ -299,6 +299,9 @@ def test_ranks_that_would_cut_fp8_scale_blocks_are_refused_in_one_line():
         check_splits(config, 4)
     with torch.device("meta"), pytest.raises(ValueError, match="cuts the checkpoint's 128-column"):
         ShardedExperts(8, 64, 768, TPGroup(0, 4)).use_fp8(128)
+    with torch.device("meta"), pytest.raises(ValueError, match="192 of 768 input columns"):
+        Fp8RowParallelLinear(RowParallelLinear(768, 64, False, TPGroup(1, 4), "the input"),
+                             (128, 128))
 
 
 def test_experts_that_do_not_split_over_the_ranks_are_refused():

@@ -145,8 +145,7 @@ class Fp8RowParallelLinear(Fp8Linear, Sharded):
     def __init__(self, layer: RowParallelLinear, block_size: tuple[int, int] | None = None
                  ) -> None:
         part = layer.input
-        if block_size is not None and (part.start % block_size[1] or (
-                part.rows % block_size[1] and part.start + part.rows != part.size)):
+        if block_size is not None and (part.start % block_size[1] or part.rows % block_size[1]):
             raise ValueError(f"tensor parallelism over {layer.tp.size} ranks gives each rank "
                              f"{part.rows} of {part.size} input columns, which cuts the "
                              f"checkpoint's {block_size[1]}-column scale blocks")
