@@ -170,6 +170,40 @@ def test_a_mixture_of_experts_model_over_ranks_gives_the_single_process_tokens()
         cluster.stop()
 
 
+def test_an_fp8_experts_checkpoint_over_ranks_gives_the_single_process_tokens(tmp_path):
+    """A block-FP8 Qwen2-MoE checkpoint (a shared expert, 16-bit routers): prefill over two
+    ranks hands off the tokens of one process; ranks that would cut its scale blocks are
+    refused in one line."""
+    from test_fp8_weights import _train_tokenizer
+    from test_tensor_parallel import write_fp8_checkpoint, write_moe_checkpoint
+
+    from pdserve.config import EngineConfig
+    from pdserve.engine.runner import ModelRunner
+
+    write_moe_checkpoint(tmp_path / "moe", "qwen2-moe-shared-expert")
+    folder = tmp_path / "fp8"
+    write_fp8_checkpoint(tmp_path / "moe", folder, "block")
+    _train_tokenizer().save(str(folder / "tokenizer.json"))
+    reference = ModelRunner(EngineConfig(model=str(folder), device="cpu", page_size=4,
+                                         num_pages=256, torch_threads=1), "prefill")
+    model = ["--model", str(folder)]
+    cluster = start_roles(["prefill", "decode"],
+                          prefill_flags=[*model, "--tensor-parallel-size", "2"],
+                          decode_flags=model, router_flags=model)
+    try:
+        _assert_single_process_tokens(cluster, reference, "fp8 experts")
+    finally:
+        cluster.stop()
+    done = subprocess.run([sys.executable, "-m", "pdserve", "prefill", *ENGINE_FLAGS, *model,
+                           "--device", "cpu", "--tensor-parallel-size", "4"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1] == (
+        "pdserve: error: --tensor-parallel-size 4: each rank's 12 columns of the shared "
+        "expert's intermediate size (48) would cut the checkpoint's 8-column FP8 scale blocks; "
+        "use fewer ranks")
+
+
 # Imported first in every process of the worker (its sitecustomize): the other ranks (started
 # with --rank) fail before they join the group.
 BREAK_RANK = '''
