@@ -201,10 +201,10 @@ def run_script(model: str, tp: TPGroup | None) -> dict[str, torch.Tensor]:
                 for out, page_ids in zip(tokens, pages)]
         for out, token in zip(tokens, runner.step(seqs, greedy).tokens):
             out.append(token)
-    fp8_layers = sum(p.dtype == FP8_DTYPE for p in runner.model.parameters())
+    fp8_params = sum(p.dtype == FP8_DTYPE for p in runner.model.parameters())
     return {"prefill_logits": logits, "chunk_logits": first[1], "tokens": torch.tensor(tokens),
             "kv_heads": torch.tensor(runner.pool.layout.num_kv_heads),
-            "fp8_layers": torch.tensor(fp8_layers)}
+            "fp8_params": torch.tensor(fp8_params)}
 
 
 def _rank_main(rank: int, port: int, models: dict[str, str], out_dir: str) -> None:
@@ -286,8 +286,11 @@ def test_kv_heads_that_do_not_split_over_the_ranks_are_refused():
 
 
 def test_fp8_checkpoints_load_as_fp8_on_every_rank(results):
-    for shape in FP8_FOLDERS:   # what the ranks computed is checked above
-        assert all(rank[shape]["fp8_layers"] for rank in results[1]), shape
+    single, ranks = results
+    for shape in FP8_FOLDERS:   # as many FP8 tensors as one process holds (their values: above)
+        assert int(single[shape]["fp8_params"]) > 0
+        assert [int(rank[shape]["fp8_params"]) for rank in ranks] == (
+            [int(single[shape]["fp8_params"])] * RANKS), shape
 
 
 def test_ranks_that_would_cut_fp8_scale_blocks_are_refused_in_one_line():
