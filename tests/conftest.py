@@ -356,15 +356,23 @@ def start_roles(roles: list[str], discovery: bool = False, router_flags: list[st
                                            env={**os.environ,
                                                 **(worker_env or {}).get(name, {})},
                                            stderr=stderr[name] if name in stderr else None)
-    for name, process in processes.items():
-        wait_serving(addresses[name], process)
-    port = free_port()
-    router = f"127.0.0.1:{port}"
-    processes["router"] = subprocess.Popen([
-        sys.executable, "-m", "pdserve", "router", "--port", str(port), "--model", "tiny",
-        "--health-interval-s", "0.5", "--internal-token-file", TOKEN_FILE,
-        *_worker_flags(addresses, "prefill", discovery), *_worker_flags(addresses, "decode", discovery),
-        *(router_flags or [])])
-    health_port = _flag(router_flags or [], "--health-port")
-    wait_serving(f"127.0.0.1:{health_port}" if health_port else router, processes["router"])
+    try:
+        for name, process in processes.items():
+            wait_serving(addresses[name], process)
+        port = free_port()
+        router = f"127.0.0.1:{port}"
+        processes["router"] = subprocess.Popen([
+            sys.executable, "-m", "pdserve", "router", "--port", str(port), "--model", "tiny",
+            "--health-interval-s", "0.5", "--internal-token-file", TOKEN_FILE,
+            *_worker_flags(addresses, "prefill", discovery),
+            *_worker_flags(addresses, "decode", discovery), *(router_flags or [])])
+        health_port = _flag(router_flags or [], "--health-port")
+        wait_serving(f"127.0.0.1:{health_port}" if health_port else router, processes["router"])
+    except BaseException:   # a cluster that did not come up leaves no process behind
+        for process in processes.values():
+            if process.poll() is None:
+                process.terminate()
+        for process in processes.values():
+            process.wait(30)
+        raise
     return RoleProcesses(router, processes, addresses, stderr)
