@@ -278,10 +278,11 @@ def _load_safetensors(net: CausalLM, model_dir: Path, by_layer: _Fp8ByLayer | No
         owner = _sharded_owner(net, name)
         if name.endswith(".weight_scale"):   # a scale per row first: rows then split anywhere
             module = net.get_submodule(name.removesuffix(".weight_scale"))
-            rows, cols = (owner.full_shape("weight") if owner is not None
-                          else module.weight.shape)
-            blocks = (owner.full_shape("weight_scale") if owner is not None
-                      else module.weight_scale.shape)[1]
+            if owner is not None:   # the whole layer's shapes, before this rank's part
+                (rows, cols), blocks = owner.full_shape("weight"), owner.full_shape(
+                    "weight_scale")[1]
+            else:
+                (rows, cols), blocks = module.weight.shape, module.weight_scale.shape[1]
             tensor = fp8.fit_scale(key, tensor, slot.rows if slot.rows >= 0 else rows, cols,
                                    blocks, module.block_size)
         elif (tensor.dtype == fp8.FP8_DTYPE) != (param.dtype == fp8.FP8_DTYPE):
