@@ -120,3 +120,19 @@ def test_weights_that_do_not_fit_are_one_line(monkeypatch, quantization, words):
     for word in words:
         assert word in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_the_size_of_fp8_layers_counts_routers_at_16_bits():
+    """The estimate in that error: a decoder layer's matrices at one byte under --quantization
+    fp8, except the routers, which it leaves 16-bit."""
+    from pdserve.models.llama import CausalLM
+    from pdserve.models.presets import PRESETS
+
+    with torch.device("meta"):
+        net = CausalLM(PRESETS["qwen3-30b-a3b"]).to(torch.bfloat16)
+    params = dict(net.named_parameters())
+    routers = sum(p.numel() for n, p in params.items() if n.endswith(".mlp.gate.weight"))
+    layers = sum(p.numel() for n, p in params.items() if n.startswith("layers.") and p.dim() >= 2)
+    assert routers == 48 * 128 * 2048
+    assert (loader._weights_bytes(net, True) - loader._weights_bytes(net, False)
+            == -(layers - routers))

@@ -69,6 +69,56 @@ def test_prefill_and_decode_of_different_sizes_hand_off_on_gpus(prefill_ranks, d
         cluster.stop()
 
 
+# small-moe's shapes as a Qwen3-MoE checkpoint: 128-column FP8 blocks stay whole on 2 ranks.
+SMALL_MOE = ("Qwen3Moe", dict(vocab_size=300, hidden_size=512, intermediate_size=1024,
+                              num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+                              num_hidden_layers=2, num_experts=8, num_experts_per_tok=2,
+                              moe_intermediate_size=256, max_position_embeddings=4096,
+                              rope_theta=1000000.0, tie_word_embeddings=False))
+
+
+@pytest.fixture(scope="module")
+def moe_folders(tmp_path_factory) -> dict[str, str]:
+    """A bf16 Qwen3-MoE checkpoint and its block-FP8 copy (Qwen3-*-FP8's 128x128 blocks)."""
+    import json
+
+    from test_fp8_weights import _train_tokenizer
+    from test_tensor_parallel import write_fp8_checkpoint, write_moe_checkpoint
+
+    root = tmp_path_factory.mktemp("moe")
+    write_moe_checkpoint(root / "bf16", "small-moe", SMALL_MOE)
+    config = json.loads((root / "bf16" / "config.json").read_text())
+    config["dtype"] = config["torch_dtype"] = "bfloat16"
+    (root / "bf16" / "config.json").write_text(json.dumps(config))
+    write_fp8_checkpoint(root / "bf16", root / "fp8", "block", block=128, dtype="bfloat16")
+    for name in ("bf16", "fp8"):
+        _train_tokenizer().save(str(root / name / "tokenizer.json"))
+    return {"bf16": str(root / "bf16"), "fp8": str(root / "fp8")}
+
+
+@pytest.mark.parametrize(("folder", "quantization"),
+                         [("bf16", ""), ("fp8", ""), ("bf16", "fp8")])
+def test_experts_over_two_gpus_give_one_gpus_tokens(folder, quantization, moe_folders):
+    """`up --tensor-parallel-size 2` on a mixture-of-experts checkpoint: 16-bit experts, a block
+    FP8 checkpoint (each rank its rows and column blocks, with their scales) and --quantization
+    fp8 give one GPU's greedy tokens up to bf16 near-ties, decode replaying its graphs."""
+    model = moe_folders[folder]
+    one_gpu = ModelRunner(EngineConfig(model=model, page_size=16, num_pages=1024,
+                                       attention_backend="torch", quantization=quantization),
+                          "prefill")
+    flags = ["--model", model, *SMALL[2:], "--tensor-parallel-size", "2",
+             *(["--quantization", quantization] if quantization else [])]
+    cluster = start_cluster(flags, timeout_s=600)
+    try:
+        _assert_greedy_like(cluster, one_gpu, (3, 40, 300, 1000), seed=7)
+        assert _graph_steps(cluster.metrics_urls["decode0"]) > 0
+        assert cluster.wait_all_pages_free()
+    finally:
+        stop_cluster(cluster)
+        del one_gpu
+        torch.cuda.empty_cache()
+
+
 def test_a_dead_rank_on_a_gpu_ends_its_worker(reference):
     """NCCL would wait for a dead peer forever: the worker watches its ranks and exits."""
     cluster = start_roles(

@@ -114,10 +114,12 @@ def write_checkpoint(folder: Path, cfg: dict) -> None:
     save_file(tensors, str(folder / "model.safetensors"))
 
 
-def write_moe_checkpoint(folder: Path, name: str) -> None:
+def write_moe_checkpoint(folder: Path, name: str,
+                         spec: tuple[str, dict] | None = None) -> None:
+    """MOE_FOLDERS[name] (or ``spec``: a transformers family and its config's arguments)."""
     import transformers
 
-    family, kwargs = MOE_FOLDERS[name]
+    family, kwargs = spec or MOE_FOLDERS[name]
     torch.manual_seed(4)
     config = getattr(transformers, f"{family}Config")(**kwargs)
     hf = getattr(transformers, f"{family}ForCausalLM")(config).float().eval()
@@ -135,10 +137,11 @@ def write_moe_checkpoint(folder: Path, name: str) -> None:
         hf.save_pretrained(folder)
 
 
-def write_fp8_checkpoint(src: Path, folder: Path, scheme: str) -> None:
+def write_fp8_checkpoint(src: Path, folder: Path, scheme: str, block: int = FP8_BLOCK,
+                         dtype: str | None = None) -> None:
     """``src``'s checkpoint with its decoder layers' linear weights (experts included, routers
-    not) as e4m3: FP8_BLOCK-square block scales (``block``, as Qwen3-*-FP8) or one per row
-    (``channel``, compressed-tensors)."""
+    not) as e4m3: ``block``-square block scales (``block``, as Qwen3-*-FP8) or one per row
+    (``channel``, compressed-tensors); ``dtype`` the model's 16-bit dtype if given."""
     from safetensors.torch import load_file
 
     router = re.compile(r"\.(gate|shared_expert_gate)\.weight$")
@@ -152,14 +155,16 @@ def write_fp8_checkpoint(src: Path, folder: Path, scheme: str) -> None:
             tensors[key], tensors[key + "_scale"] = (value / scale).to(FP8_DTYPE), scale
             continue
         rows, cols = value.shape
-        blocks = torch.zeros(-(-rows // FP8_BLOCK) * FP8_BLOCK, -(-cols // FP8_BLOCK) * FP8_BLOCK)
+        blocks = torch.zeros(-(-rows // block) * block, -(-cols // block) * block)
         blocks[:rows, :cols] = value
-        scale = blocks.unflatten(0, (-1, FP8_BLOCK)).unflatten(2, (-1, FP8_BLOCK)).abs().amax(
+        scale = blocks.unflatten(0, (-1, block)).unflatten(2, (-1, block)).abs().amax(
             dim=(1, 3)) / FP8_MAX
-        full = scale.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)
+        full = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)
         tensors[key] = (value / full[:rows, :cols]).to(FP8_DTYPE)
         tensors[key.removesuffix("weight") + "weight_scale_inv"] = scale
     config = json.loads((src / "config.json").read_text())
+    if dtype:
+        config["dtype"] = config["torch_dtype"] = dtype
     if scheme == "channel":
         config["quantization_config"] = {
             "quant_method": "compressed-tensors", "format": "float-quantized",
@@ -171,7 +176,7 @@ def write_fp8_checkpoint(src: Path, folder: Path, scheme: str) -> None:
     else:
         config["quantization_config"] = {
             "quant_method": "fp8", "activation_scheme": "dynamic",
-            "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+            "weight_block_size": [block, block],
             "modules_to_not_convert": ["lm_head", "mlp.gate", "mlp.shared_expert_gate"]}
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(config))

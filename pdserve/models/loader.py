@@ -158,12 +158,21 @@ def _layer_order(name: str) -> int:
     return -1 if match is None else int(match[1])
 
 
+def _weights_bytes(net: CausalLM, fp8_layers: bool) -> int:
+    """This process's share of the weights from the parameters' shapes and dtypes (some
+    stored, some still on meta): a decoder layer's matrices at one byte where ``fp8_layers``
+    quantizes them, which leaves the routers 16-bit."""
+    def one_byte(name: str, param: torch.Tensor) -> bool:
+        return (fp8_layers and name.startswith("layers.") and param.dim() >= 2
+                and AT_LOAD.quantizes("model." + name.rpartition(".")[0]))
+
+    return sum(p.numel() * (1 if one_byte(n, p) else p.element_size())
+               for n, p in net.named_parameters())
+
+
 def _weights_gib(net: CausalLM, fp8_layers: bool) -> str:
-    """This process's share of the weights, as the error of a load that does not fit says it:
-    from the parameters' shapes and dtypes (some stored, some still on meta), a decoder layer's
-    matrices at one byte where ``fp8_layers`` quantizes them."""
-    total = sum(p.numel() * (1 if fp8_layers and n.startswith("layers.") and p.dim() >= 2
-                             else p.element_size()) for n, p in net.named_parameters())
+    """The weights' size as the error of a load that does not fit says it."""
+    total = _weights_bytes(net, fp8_layers)
     if not fp8_layers:
         return f"{total / 2**30:.1f} GiB of weights"
     return f"about {total / 2**30:.1f} GiB of weights with FP8 layers"
