@@ -19,7 +19,8 @@ import torch.multiprocessing as mp
 from safetensors.torch import save_file
 
 from pdserve.config import EngineConfig
-from pdserve.engine.batch import SeqInput
+from pdserve.engine.batch import ForwardBatch, SeqInput, step_bucket
+from pdserve.engine.prefill_graphs import PrefillGraphs
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampling import SampleRow, SamplingParams
 from pdserve.errors import ConfigError
@@ -207,7 +208,14 @@ def run_script(model: str, tp: TPGroup | None) -> dict[str, torch.Tensor]:
         for out, token in zip(tokens, runner.step(seqs, greedy).tokens):
             out.append(token)
     fp8_params = sum(p.dtype == FP8_DTYPE for p in runner.model.parameters())
+    # The first prompt again, as the pieces of a prompt step's CUDA graphs run it (uncaptured).
+    pieces = PrefillGraphs(runner.model, runner.attn, runner.pool, 32, capture=False)
+    batch = ForwardBatch.build([SeqInput(prompts[0], 0, runner.pool.allocator.alloc(
+        runner.pool.pages_for(PROMPT_LEN)))], 4, runner.device, step_bucket(PROMPT_LEN))
+    runner.attn.prepare_metadata(batch)
+    assert pieces.can_run(batch)
     return {"prefill_logits": logits, "chunk_logits": first[1], "tokens": torch.tensor(tokens),
+            "piece_logits": pieces.run(batch)[0],
             "kv_heads": torch.tensor(runner.pool.layout.num_kv_heads),
             "fp8_params": torch.tensor(fp8_params)}
 
@@ -259,6 +267,17 @@ def test_prefill_logits_on_every_rank_match_one_process(results, shape):
     for rank in ranks:
         for key in ("prefill_logits", "chunk_logits"):
             torch.testing.assert_close(rank[shape][key], single[shape][key], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_prompt_step_pieces_on_every_rank_give_one_process_logits(results, shape):
+    """A prompt step's graph pieces (each layer's all-reduces inside) compute, on every rank,
+    the logits one process's eager step gives."""
+    single, ranks = results
+    for logits in [single[shape]["piece_logits"], *(rank[shape]["piece_logits"]
+                                                    for rank in ranks)]:
+        torch.testing.assert_close(logits, single[shape]["prefill_logits"][0], atol=1e-4,
+                                   rtol=1e-4)
 
 
 @pytest.mark.parametrize("shape", SHAPES)

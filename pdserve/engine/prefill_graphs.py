@@ -17,8 +17,10 @@ buffers allocated outside it (the residual stream is updated in place), so a pie
 temporaries are dead once it has run and pieces may share them in any order.
 
 Dense and mixture-of-experts (fused experts) bf16/fp16 and FP8-weight models with the fused
-RoPE + K/V store kernel, one rank: others prefill eagerly. Prefill workers capture them, and
-decode workers that prefill prompts themselves (--prompt-graphs-on-decode).
+RoPE + K/V store kernel: others prefill eagerly. Prefill workers capture them, and decode
+workers that prefill prompts themselves (--prompt-graphs-on-decode). Tensor-parallel ranks
+capture theirs with the all-reduces inside, every rank the same buckets in the same order, and
+replay the same bucket in each step.
 """
 from __future__ import annotations
 
@@ -41,8 +43,6 @@ log = logging.getLogger(__name__)
 
 def why_not_captured(model: CausalLM) -> str:
     """Why ``model``'s prompt steps cannot run in piecewise graphs; "" if they can."""
-    if model.tp is not None:
-        return "tensor parallelism"
     if (any(model.config.is_moe_layer(i) for i in range(model.config.num_layers))
             and not model.ops.has_fused_experts):
         return "mixture-of-experts layers without the fused experts (their loop syncs the host)"
