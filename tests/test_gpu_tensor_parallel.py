@@ -101,7 +101,13 @@ def moe_folders(tmp_path_factory) -> dict[str, str]:
 def test_experts_over_two_gpus_give_one_gpus_tokens(folder, quantization, moe_folders):
     """`up --tensor-parallel-size 2` on a mixture-of-experts checkpoint: 16-bit experts, a block
     FP8 checkpoint (each rank its rows and column blocks, with their scales) and --quantization
-    fp8 give one GPU's greedy tokens up to bf16 near-ties, decode replaying its graphs."""
+    fp8 give one GPU's greedy tokens up to near-ties, decode replaying its graphs.
+
+    Near-ties are wider than a dense model's: where two ranks' sums round otherwise than one
+    GPU's, a token may take another expert, which moves the logits after it. Teacher-forced
+    on the CPU (bf16, two gloo ranks against one process) this model's logits moved by up to
+    0.55 (16-bit), 0.04 (block FP8) and 0.63 (--quantization fp8), their spread being 1.0. A
+    wrong split gives unrelated logits: its first token would sit about 2.5 below the top."""
     model = moe_folders[folder]
     one_gpu = ModelRunner(EngineConfig(model=model, page_size=16, num_pages=1024,
                                        attention_backend="torch", quantization=quantization),
@@ -110,7 +116,7 @@ def test_experts_over_two_gpus_give_one_gpus_tokens(folder, quantization, moe_fo
              *(["--quantization", quantization] if quantization else [])]
     cluster = start_cluster(flags, timeout_s=600)
     try:
-        _assert_greedy_like(cluster, one_gpu, (3, 40, 300, 1000), seed=7)
+        _assert_greedy_like(cluster, one_gpu, (3, 40, 300, 1000), seed=7, tolerance=1.0)
         assert _graph_steps(cluster.metrics_urls["decode0"]) > 0
         assert cluster.wait_all_pages_free()
     finally:
