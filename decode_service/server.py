@@ -185,7 +185,7 @@ async def serve(config: DecodeConfig) -> None:
     step_tokens = max(config.max_running_requests, config.prefill_here_step_tokens)
     if config.engine.tensor_parallel_size > 1:
         check_splits(source_config(config.engine, local_model(config.engine)),
-                     config.engine.tensor_parallel_size)
+                     config.engine.tensor_parallel_size, config.engine.expert_parallel)
         runner = RankedRunner(config.engine, "decode", step_tokens)
         steps = RankedDecodeSteps(runner, config.max_running_requests)
     else:

@@ -82,6 +82,11 @@ class EngineConfig(ModelSource):
     tensor_parallel_size: int = setting(1, "ranks that split each layer (one process each, "
                                         "this one rank 0; on GPUs rank r of a worker on "
                                         "cuda:N runs on cuda:N+r, NCCL between them)")
+    expert_parallel: bool = setting(False, "under --tensor-parallel-size N, each rank holds "
+                                    "num_experts / N whole experts instead of a slice of every "
+                                    "expert's intermediate size (attention stays split by "
+                                    "heads): for FP8 checkpoints whose experts' scale blocks a "
+                                    "slice would cut, such as Qwen3-30B-A3B-FP8 over 4 ranks")
     all_reduce: str = setting("nccl", "how tensor-parallel ranks on GPUs sum the layers' "
                               "partial results: nccl, or symm_mem (torch's symmetric memory: "
                               "one kernel on each rank reads the others' buffers over NVLink; "

@@ -100,7 +100,7 @@ async def serve(config: PrefillConfig) -> None:
     # are all held until its hand-off, and a longer one than the pool is refused.
     ranks = config.engine.tensor_parallel_size
     if ranks > 1:
-        check_splits(model, ranks)
+        check_splits(model, ranks, config.engine.expert_parallel)
     runner = (RankedRunner if ranks > 1 else ModelRunner)(
         config.engine, "prefill", chunk_size, min_pool_tokens=model.max_model_len + chunk_size)
     if config.chunk_size == 0:

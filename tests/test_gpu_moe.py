@@ -306,6 +306,34 @@ def test_unsorted_experts_compute_what_the_sorted_ones_do(tokens, top_k, fp8_col
         assert ((direct.float() - want.float()).abs().max() / want.float().abs().max()) < 2e-2
 
 
+@pytest.mark.parametrize("tokens", [1, 3, 40, 600])
+@pytest.mark.parametrize("fp8_cols", [None, 128])
+def test_one_ranks_experts_add_only_their_own(tokens, fp8_cols):
+    """--expert-parallel: a rank holds 16 of 32 experts; the others' assignments (id 16 here)
+    add nothing, in the direct kernels (1 token), the one-program sort (3, 40) and the chunked
+    one (600, with the prompt tiles), eagerly and in a CUDA graph."""
+    from pdserve.models import moe_kernel
+
+    experts = _experts(16, 2048, 768, fp8_cols, seed=tokens)
+    experts.partial = True
+    generator = torch.Generator(device=CUDA).manual_seed(5)
+    x = torch.randn(tokens, 2048, device=CUDA, generator=generator).bfloat16()
+    weights = torch.rand(tokens, 8, device=CUDA, generator=generator)
+    chosen = _chosen(tokens, 32, 8, seed=tokens).to(CUDA).int()
+    here = chosen < 16
+    local = torch.where(here, chosen, 16)
+    want = _experts_statement(x, experts, weights * here, torch.where(here, chosen, 0))
+    silu = TorchOps().silu_and_mul
+    eager = moe_kernel.fused_experts(x, experts, weights, local, silu)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = moe_kernel.fused_experts(x, experts, weights, local, silu)
+    captured.zero_()
+    graph.replay()
+    for got in (eager, captured):
+        assert ((got.float() - want.float()).abs().max() / want.float().abs().max()) < 2e-2
+
+
 @pytest.mark.parametrize("tokens", [1, 2, 5, 40, 600])
 def test_a_mixtral_block_on_the_kernels_routes_and_sums_as_the_loop(tokens):
     """Mixtral's block (top 2 of 8, routing weights kept in float32) on the CUDA kernels and on

@@ -96,12 +96,14 @@ def moe_folders(tmp_path_factory) -> dict[str, str]:
     return {"bf16": str(root / "bf16"), "fp8": str(root / "fp8")}
 
 
-@pytest.mark.parametrize(("folder", "quantization"),
-                         [("bf16", ""), ("fp8", ""), ("bf16", "fp8")])
-def test_experts_over_two_gpus_give_one_gpus_tokens(folder, quantization, moe_folders):
+@pytest.mark.parametrize(("folder", "quantization", "whole"),
+                         [("bf16", "", False), ("fp8", "", False), ("bf16", "fp8", False),
+                          ("bf16", "", True), ("fp8", "", True)])
+def test_experts_over_two_gpus_give_one_gpus_tokens(folder, quantization, whole, moe_folders):
     """`up --tensor-parallel-size 2` on a mixture-of-experts checkpoint: 16-bit experts, a block
     FP8 checkpoint (each rank its rows and column blocks, with their scales) and --quantization
-    fp8 give one GPU's greedy tokens up to near-ties, decode replaying its graphs.
+    fp8 give one GPU's greedy tokens up to near-ties, decode replaying its graphs; so do half
+    the experts whole on each GPU (``whole``: --expert-parallel).
 
     Near-ties are wider than a dense model's: where two ranks' sums round otherwise than one
     GPU's, a token may take another expert, which moves the logits after it. Teacher-forced
@@ -113,7 +115,8 @@ def test_experts_over_two_gpus_give_one_gpus_tokens(folder, quantization, moe_fo
                                        attention_backend="torch", quantization=quantization),
                           "prefill")
     flags = ["--model", model, *SMALL[2:], "--tensor-parallel-size", "2",
-             *(["--quantization", quantization] if quantization else [])]
+             *(["--quantization", quantization] if quantization else []),
+             *(["--expert-parallel"] if whole else [])]
     cluster = start_cluster(flags, timeout_s=600)
     try:
         _assert_greedy_like(cluster, one_gpu, (3, 40, 300, 1000), seed=7, tolerance=1.0)

@@ -18,15 +18,19 @@ def _chosen(tokens: int, experts: int, top_k: int, seed: int) -> torch.Tensor:
                         for _ in range(tokens)])
 
 
+@pytest.mark.parametrize("elsewhere", [False, True])
 @pytest.mark.parametrize("tokens, experts, top_k, block_m", [
     (1, 4, 2, 16), (5, 8, 2, 16), (70, 16, 4, 16), (300, 128, 8, 64), (64, 2, 1, 64)])
-def test_assignments_sorted_into_one_expert_blocks(tokens, experts, top_k, block_m):
-    chosen = _chosen(tokens, experts, top_k, seed=tokens)
+def test_assignments_sorted_into_one_expert_blocks(tokens, experts, top_k, block_m, elsewhere):
+    """``elsewhere``: half the experts are another rank's (--expert-parallel), id ``experts``
+    here; their assignments sort last, into blocks of expert -1."""
+    chosen = _chosen(tokens, experts * (2 if elsewhere else 1), top_k, seed=tokens)
+    chosen = torch.where(chosen < experts, chosen, experts)
     groups = sort_by_expert(chosen, experts, block_m)
     count = tokens * top_k
     ids, blocks = groups.sorted_ids.long(), groups.block_expert.long()
     # A size fixed by the token count (a CUDA graph's buffers), a whole number of blocks.
-    assert ids.numel() == -(-(count + experts * (block_m - 1)) // block_m) * block_m
+    assert ids.numel() == -(-(count + (experts + 1) * (block_m - 1)) // block_m) * block_m
     assert blocks.numel() == ids.numel() // block_m
     real = ids[ids < count]
     assert sorted(real.tolist()) == list(range(count))          # each assignment once
@@ -36,13 +40,14 @@ def test_assignments_sorted_into_one_expert_blocks(tokens, experts, top_k, block
         rows = ids[block * block_m:(block + 1) * block_m]
         rows = rows[rows < count]
         if expert < 0:
-            assert rows.numel() == 0
+            assert torch.all(flat[rows] == experts)               # none, or elsewhere
             continue
         assert torch.all(flat[rows] == expert)                    # one expert per block
         assert rows.tolist() == sorted(rows.tolist())             # in assignment order
     used = blocks[blocks >= 0]
     assert used.tolist() == sorted(used.tolist())                 # experts in order
-    assert set(used.tolist()) == set(flat.tolist())
+    assert set(used.tolist()) == set(flat.tolist()) - {experts}
+    assert torch.all(blocks[blocks.tolist().index(-1):] == -1)    # -1 blocks last
 
 
 def test_grouped_gemms_give_the_reference_experts_output():

@@ -26,7 +26,7 @@ from pdserve.engine.sampling import SampleRow, SamplingParams
 from pdserve.errors import ConfigError
 from pdserve.models.fp8 import FP8_DTYPE, FP8_MAX, Fp8RowParallelLinear
 from pdserve.models.llama import CausalLM
-from pdserve.models.moe import ShardedExperts
+from pdserve.models.moe import ExpertParallelExperts, Experts, ShardedExperts
 from pdserve.models.presets import PRESETS
 from pdserve.models.quant_config import Fp8Scheme
 from pdserve.parallel.ranks import check_splits
@@ -71,7 +71,14 @@ FP8_FOLDERS = {"qwen3-1-kv-head-fp8": ("qwen3-1-kv-head", "block"),
                "llama-biases-tied-fp8-channel": ("llama-biases-tied", "channel"),
                "qwen2-moe-shared-expert-fp8": ("qwen2-moe-shared-expert", "block"),
                "mixtral-fp8": ("mixtral", "block")}
-SHAPES = ["tiny", "tiny-moe", *FP8, *FOLDERS, *MOE_FOLDERS, *FP8_FOLDERS]
+# --expert-parallel: each rank holds half the experts whole (a stacked checkpoint, per-expert
+# tensors, FP8 blocks and scales, --quantization fp8); a shared expert is still split.
+EXPERT_PARALLEL = {"tiny-moe-ep": "tiny-moe", "tiny-moe-fp8-ep": "tiny-moe+fp8",
+                   **{f"{name}-ep": name for name in ("qwen2-moe-shared-expert", "mixtral",
+                                                      "qwen3-moe-stacked",
+                                                      "qwen2-moe-shared-expert-fp8",
+                                                      "mixtral-fp8")}}
+SHAPES = ["tiny", "tiny-moe", *FP8, *FOLDERS, *MOE_FOLDERS, *FP8_FOLDERS, *EXPERT_PARALLEL]
 
 
 def write_checkpoint(folder: Path, cfg: dict) -> None:
@@ -186,8 +193,12 @@ def write_fp8_checkpoint(src: Path, folder: Path, scheme: str, block: int = FP8_
 
 def run_script(model: str, tp: TPGroup | None) -> dict[str, torch.Tensor]:
     """Two prompts prefilled in one step, the second chunked (its prefix first, through the
-    paged pool), then NEW_TOKENS greedy tokens for both, decoded as one batch."""
-    model, _, quantization = model.partition("+")
+    paged pool), then NEW_TOKENS greedy tokens for both, decoded as one batch. ``model``:
+    name[+quantization][+ep] (ep: --expert-parallel)."""
+    model, _, options = model.partition("+")
+    quantization, _, ep = options.partition("+")
+    if tp is not None and ep:
+        tp = replace(tp, whole_experts=True)
     runner = ModelRunner(EngineConfig(model=model, device="cpu", page_size=4, num_pages=64,
                                       attention_backend="torch", torch_threads=1,
                                       quantization=quantization), "prefill", tp=tp)
@@ -214,8 +225,10 @@ def run_script(model: str, tp: TPGroup | None) -> dict[str, torch.Tensor]:
         runner.pool.pages_for(PROMPT_LEN)))], 4, runner.device, step_bucket(PROMPT_LEN))
     runner.attn.prepare_metadata(batch)
     assert pieces.can_run(batch)
+    experts = sum(m.gate_up_proj.shape[0] for m in runner.model.modules()
+                  if isinstance(m, Experts))
     return {"prefill_logits": logits, "chunk_logits": first[1], "tokens": torch.tensor(tokens),
-            "piece_logits": pieces.run(batch)[0],
+            "piece_logits": pieces.run(batch)[0], "experts": torch.tensor(experts),
             "kv_heads": torch.tensor(runner.pool.layout.num_kv_heads),
             "fp8_params": torch.tensor(fp8_params)}
 
@@ -252,6 +265,9 @@ def results(tmp_path_factory) -> tuple[dict, list[dict]]:
     for shape, (src, scheme) in FP8_FOLDERS.items():
         write_fp8_checkpoint(root / src, root / shape, scheme)
         models[shape] = str(root / shape)
+    for shape, model in EXPERT_PARALLEL.items():
+        model = models.get(model, model)
+        models[shape] = model + ("+ep" if "+" in model else "++ep")
     mp.spawn(_rank_main, args=(_free_port(), models, str(root)), nprocs=RANKS, join=True)
     threads = torch.get_num_threads()
     try:
@@ -309,6 +325,14 @@ def test_kv_heads_that_do_not_split_over_the_ranks_are_refused():
         CausalLM(replace(tiny, num_heads=12, num_kv_heads=3), TPGroup(0, 4))
 
 
+def test_each_rank_of_expert_parallelism_holds_its_share_of_the_experts(results):
+    single, ranks = results
+    for shape in EXPERT_PARALLEL:
+        assert int(single[shape]["experts"]) > 0
+        assert [int(rank[shape]["experts"]) for rank in ranks] == (
+            [int(single[shape]["experts"]) // RANKS] * RANKS), shape
+
+
 def test_fp8_checkpoints_load_as_fp8_on_every_rank(results):
     single, ranks = results
     for shape in FP8_FOLDERS:   # as many FP8 tensors as one process holds (their values: above)
@@ -326,6 +350,13 @@ def test_ranks_that_would_cut_fp8_scale_blocks_are_refused_in_one_line():
         check_splits(config, 4)
     with torch.device("meta"), pytest.raises(ValueError, match="cuts the checkpoint's 128-column"):
         ShardedExperts(8, 64, 768, TPGroup(0, 4)).use_fp8(128)
+    # Whole experts a rank (--expert-parallel) cut nothing; their count must divide.
+    check_splits(config, 4, whole_experts=True)
+    with torch.device("meta"):
+        ExpertParallelExperts(128, 64, 768, TPGroup(3, 4, whole_experts=True)).use_fp8(128)
+    with pytest.raises(ConfigError, match=r"^--tensor-parallel-size 4 --expert-parallel: the "
+                       r"model's 6 experts are not divisible by 4$"):
+        check_splits(replace(config, num_experts=6), 4, whole_experts=True)
     with torch.device("meta"), pytest.raises(ValueError, match="192 of 768 input columns"):
         Fp8RowParallelLinear(RowParallelLinear(768, 64, False, TPGroup(1, 4), "the input"),
                              (128, 128))

@@ -156,11 +156,14 @@ def test_prefill_and_decode_of_any_ranks_give_the_single_process_tokens(
         cluster.stop()
 
 
-def test_a_mixture_of_experts_model_over_ranks_gives_the_single_process_tokens():
+@pytest.mark.parametrize("experts", ["split", "whole"])
+def test_a_mixture_of_experts_model_over_ranks_gives_the_single_process_tokens(experts):
+    """Each expert split over the ranks, or each rank its experts whole (--expert-parallel)."""
     from pdserve.config import EngineConfig
     from pdserve.engine.runner import ModelRunner
 
-    moe = ["--model", "tiny-moe", "--tensor-parallel-size", "2"]
+    moe = ["--model", "tiny-moe", "--tensor-parallel-size", "2",
+           *(["--expert-parallel"] if experts == "whole" else [])]
     reference = ModelRunner(EngineConfig(model="tiny-moe", device="cpu", page_size=4,
                                          num_pages=256, torch_threads=1), "prefill")
     cluster = start_roles(["prefill", "decode"], prefill_flags=moe, decode_flags=moe)

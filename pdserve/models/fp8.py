@@ -363,7 +363,7 @@ def quantize_experts(net: nn.Module, tp: TPGroup | None = None, under: str = "")
     """--quantization fp8 of a mixture-of-experts model: each expert's 16-bit weights (within
     module ``under``) as FP8 with a scale per output row, one layer at a time; returns how many
     layers were. Over ``tp``'s ranks each holds a slice of the down projections' columns: its
-    rows' scales are the whole rows'."""
+    rows' scales are the whole rows' (with --expert-parallel a rank's experts are whole)."""
     count = 0
     prefix = under + "." if under else ""
     for path, module in net.named_modules():
@@ -373,8 +373,8 @@ def quantize_experts(net: nn.Module, tp: TPGroup | None = None, under: str = "")
         dense = {name: getattr(module, name).data for name in module.WEIGHTS}
         module.use_fp8(None)
         for name, weight in dense.items():
-            quantized, scale = quantize_per_channel(weight.flatten(0, 1),
-                                                    tp if name == "down_proj" else None)
+            sliced = name == "down_proj" and not module.partial
+            quantized, scale = quantize_per_channel(weight.flatten(0, 1), tp if sliced else None)
             getattr(module, name).data.copy_(quantized.view_as(weight))
             getattr(module, name + "_scale").data.copy_(scale.view(*weight.shape[:2], 1))
         count += 1

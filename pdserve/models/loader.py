@@ -299,8 +299,11 @@ def _load_safetensors(net: CausalLM, model_dir: Path, by_layer: _Fp8ByLayer | No
                              "checkpoint, but its quantization_config makes it "
                              f"{str(param.dtype).removeprefix('torch.')}")
         if owner is not None:   # this rank's part of the tensor, where it goes in ours
+            expert = None if slot.expert is None else owner.expert_here(slot.expert)
+            if slot.expert is not None and expert is None:
+                return   # another rank's expert (--expert-parallel)
             dim, offset, tensor = owner.shard(name.rpartition(".")[2], tensor, slot.offset)
-            base = param if slot.expert is None else param[slot.expert]
+            base = param if expert is None else param[expert]
             target = base.narrow(dim, offset, tensor.shape[dim])
         else:
             target = slot.target(param)

@@ -14,7 +14,9 @@ the fused kernel, every expert computes every token and unchosen experts are wei
 correct, and slow.
 
 Under tensor parallelism each rank holds every expert's slice of the intermediate size
-(``ShardedExperts``), and the block adds the ranks' partial sums with one all-reduce.
+(``ShardedExperts``), or with --expert-parallel a share of the experts whole
+(``ExpertParallelExperts``: another rank's expert is id ``num_experts`` here, and adds nothing);
+either way the block adds the ranks' partial sums with one all-reduce.
 """
 from __future__ import annotations
 
@@ -39,6 +41,8 @@ class Experts(nn.Module):
     columns, as Fp8Linear keeps them."""
 
     WEIGHTS = ("gate_up_proj", "down_proj")
+    # Whether ids may name experts held elsewhere (id num_experts: ExpertParallelExperts).
+    partial = False
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -63,6 +67,10 @@ class Experts(nn.Module):
     def quantized(self) -> bool:
         return bool(self.scale_cols)
 
+    def expert_here(self, expert: int) -> int | None:
+        """Where the model's expert ``expert`` sits in these weights (None: another rank's)."""
+        return expert
+
     def weight(self, name: str, dtype: torch.dtype, expert: int | None = None) -> torch.Tensor:
         """Weight ``name`` of one expert (or all) in ``dtype``: FP8 experts' dequantized."""
         weight = getattr(self, name)
@@ -85,8 +93,10 @@ class Experts(nn.Module):
         order = torch.argsort(flat, stable=True)
         slots, rows = order // chosen.shape[0], order % chosen.shape[0]
         # The one host sync of the layer: how many tokens each expert got (the reason the GPU
-        # wants a fused grouped GEMM instead of this loop).
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        # wants a fused grouped GEMM instead of this loop). Id num_experts (another rank's
+        # expert) sorts last and is left out.
+        experts = self.gate_up_proj.shape[0]
+        counts = torch.bincount(flat, minlength=experts).tolist()[:experts]
         start = 0
         for expert, count in enumerate(counts):
             if count == 0:
@@ -105,9 +115,9 @@ class Experts(nn.Module):
                              chosen: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The same sum without a host sync (for CUDA graphs): every expert computes every
         token, and experts a token did not choose count with weight zero."""
-        dense = torch.zeros(x.shape[0], self.gate_up_proj.shape[0], dtype=weights.dtype,
-                            device=x.device).scatter_(1, chosen, weights)
         experts, tokens = self.gate_up_proj.shape[0], x.shape[0]
+        dense = torch.zeros(tokens, experts + 1, dtype=weights.dtype, device=x.device).scatter_(
+            1, chosen, weights)[:, :experts]   # id num_experts: another rank's expert
         h = torch.matmul(x, self.weight("gate_up_proj", x.dtype).transpose(1, 2))  # [e, t, 2I]
         # Rows of 2I for the elementwise kernel, which takes 2-D inputs.
         h = ctx.ops.silu_and_mul(h.reshape(experts * tokens, -1)).view(experts, tokens, -1)
@@ -173,6 +183,45 @@ class ShardedExperts(Experts, Sharded):
         return full[:, :, part.start:part.start + part.rows]
 
 
+class ExpertParallelExperts(Experts, Sharded):
+    """One tensor-parallel rank's share of the experts, whole (--expert-parallel): experts
+    ``first`` to ``first + num_experts / ranks``, each with its whole intermediate size. The
+    block gives it the others' experts as id ``num_experts / ranks``, which add nothing; the
+    ranks' partial sums are added up by the block."""
+
+    partial = True
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 tp: TPGroup) -> None:
+        part = Part.even(num_experts, tp, "the experts")
+        super().__init__(part.rows, hidden_size, intermediate_size)
+        self.first, self.full_experts = part.start, num_experts
+
+    def expert_here(self, expert: int) -> int | None:
+        local = expert - self.first
+        return local if 0 <= local < self.gate_up_proj.shape[0] else None
+
+    def local_ids(self, chosen: torch.Tensor) -> torch.Tensor:
+        """The model's expert ids as this rank's, another rank's as ``num_experts`` here."""
+        here = self.gate_up_proj.shape[0]
+        local = chosen - self.first
+        return torch.where((local >= 0) & (local < here), local, here)
+
+    def full_shape(self, param: str) -> tuple[int, ...]:
+        return (self.full_experts, *getattr(self, param).shape[1:])
+
+    def shard(self, param: str, full: torch.Tensor, offset: int = 0
+              ) -> tuple[int, int, torch.Tensor]:
+        """One expert's checkpoint tensor as it is (gate or up rows at ``offset``: the loader
+        places only this rank's experts, ``expert_here``), or every expert's, stacked."""
+        if full.dim() == 3:
+            return 0, 0, self.shard_full(param, full)
+        return 0, offset, full
+
+    def shard_full(self, param: str, full: torch.Tensor) -> torch.Tensor:
+        return full[self.first:self.first + self.gate_up_proj.shape[0]]
+
+
 class SparseMoeBlock(nn.Module):
     """Router, experts and, for Qwen2-MoE, a shared expert with a sigmoid gate; parameter names
     follow Hugging Face's (``gate``, ``experts``, ``shared_expert``, ``shared_expert_gate``)."""
@@ -185,11 +234,13 @@ class SparseMoeBlock(nn.Module):
         self.norm_topk_prob = config.norm_topk_prob
         self.float32_routing_weights = config.float32_routing_weights
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
-        self.experts = (ShardedExperts(config.num_experts, config.hidden_size,
-                                       config.moe_intermediate_size, self.tp)
-                        if self.tp is not None else
-                        Experts(config.num_experts, config.hidden_size,
-                                config.moe_intermediate_size))
+        sizes = (config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        if self.tp is None:
+            self.experts = Experts(*sizes)
+        elif self.tp.whole_experts:
+            self.experts = ExpertParallelExperts(*sizes, self.tp)
+        else:
+            self.experts = ShardedExperts(*sizes, self.tp)
         self.shared_expert = shared_expert
         if shared_expert is not None:
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
@@ -211,13 +262,15 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         weights, chosen = self.route(x, ctx)
+        if self.experts.partial:   # this rank's experts' ids; the others' add nothing here
+            chosen = self.experts.local_ids(chosen)
         if ctx.ops.has_fused_experts and x.is_cuda:
             out = ctx.ops.fused_experts(x, self.experts, weights, chosen)
         elif torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             out = self.experts.forward_every_expert(x, weights, chosen, ctx)
         else:
             out = self.experts(x, weights, chosen, ctx)
-        if self.tp is not None:   # each rank summed its slice of every expert
+        if self.tp is not None:   # each rank summed its slice of every expert, or its experts
             out = self.tp.all_reduce(out)
         if self.shared_expert is not None:
             shared = self.shared_expert(x, ctx)

@@ -23,13 +23,21 @@ class SortedAssignments:
     block_m: int
 
 
+def sorted_rows(assignments: int, num_experts: int, block_m: int) -> int:
+    """The rows of a sort's result: every assignment, and each group's padding (the experts'
+    and id ``num_experts``'s) to whole blocks."""
+    return -(-(assignments + (num_experts + 1) * (block_m - 1)) // block_m) * block_m
+
+
 def sort_by_expert(chosen: torch.Tensor, num_experts: int, block_m: int) -> SortedAssignments:
     """``chosen`` [tokens, top_k] expert ids, their assignments grouped by expert (stable:
-    within an expert, in assignment order) into blocks of ``block_m``."""
+    within an expert, in assignment order) into blocks of ``block_m``. Id ``num_experts`` is
+    an assignment no expert here takes (expert parallelism: another rank's): its group comes
+    last, in blocks of expert -1, which the GEMMs skip."""
     flat = chosen.reshape(-1).long()
     count = flat.numel()
     device = flat.device
-    per_expert = torch.zeros(num_experts, dtype=torch.long, device=device).scatter_add_(
+    per_expert = torch.zeros(num_experts + 1, dtype=torch.long, device=device).scatter_add_(
         0, flat, torch.ones_like(flat))
     padded = (per_expert + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
@@ -38,7 +46,7 @@ def sort_by_expert(chosen: torch.Tensor, num_experts: int, block_m: int) -> Sort
     order = torch.argsort(flat, stable=True)
     experts = flat[order]
     rank = torch.arange(count, device=device) - start[experts]
-    rows = -(-(count + num_experts * (block_m - 1)) // block_m) * block_m
+    rows = sorted_rows(count, num_experts, block_m)
     sorted_ids = torch.full((rows,), count, dtype=torch.int32, device=device)
     sorted_ids[padded_start[experts] + rank] = order.to(torch.int32)
     block_starts = torch.arange(0, rows, block_m, device=device)

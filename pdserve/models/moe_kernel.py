@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from pdserve.models import gemv_kernel, pdl
-from pdserve.models.moe_align import SortedAssignments
+from pdserve.models.moe_align import SortedAssignments, sorted_rows
 
 
 @triton.jit
@@ -205,28 +205,26 @@ def _count_chunk(chosen, counts, totals, sorted_ids, count, rows, fill_rows,
 def _chunk_offsets(counts, totals, offsets, block_expert, rows, chunks,
                    EXPERTS: tl.constexpr, EXPERTS_P: tl.constexpr, BLOCK_M: tl.constexpr,
                    LANES: tl.constexpr):
-    """One program an expert: each chunk's first row for it (its padded start plus the earlier
-    chunks' assignments to it) and its blocks' expert; one more sets the blocks past the last
-    expert's to -1."""
+    """One program an expert, and one for id EXPERTS (assignments no expert here takes): each
+    chunk's first row for it (its padded start plus the earlier chunks' assignments to it) and
+    its blocks' expert; the last program's blocks, and those past them, are -1."""
     expert = tl.program_id(0)
     experts = tl.arange(0, EXPERTS_P)
     lane = tl.arange(0, LANES)
     padded_start, padded_end = _padded_offsets(tl.load(totals + experts), BLOCK_M)
-    if expert < EXPERTS:
-        first = tl.sum(tl.where(experts == expert, padded_start, 0), axis=0)
-        last = tl.sum(tl.where(experts == expert, padded_end, 0), axis=0)
-        running = first
-        for start in range(0, chunks, LANES):
-            valid = start + lane < chunks
-            mine = tl.load(counts + (start + lane) * EXPERTS_P + expert, mask=valid, other=0)
-            tl.store(offsets + (start + lane) * EXPERTS_P + expert,
-                     running + tl.cumsum(mine, axis=0) - mine, mask=valid)
-            running += tl.sum(mine, axis=0)
-        for block in range(first // BLOCK_M, last // BLOCK_M, LANES):
-            tl.store(block_expert + block + lane, expert, mask=block + lane < last // BLOCK_M)
-    else:
-        for block in range(tl.max(padded_end, axis=0) // BLOCK_M, rows // BLOCK_M, LANES):
-            tl.store(block_expert + block + lane, -1, mask=block + lane < rows // BLOCK_M)
+    first = tl.sum(tl.where(experts == expert, padded_start, 0), axis=0)
+    last = tl.sum(tl.where(experts == expert, padded_end, 0), axis=0)
+    running = first
+    for start in range(0, chunks, LANES):
+        valid = start + lane < chunks
+        mine = tl.load(counts + (start + lane) * EXPERTS_P + expert, mask=valid, other=0)
+        tl.store(offsets + (start + lane) * EXPERTS_P + expert,
+                 running + tl.cumsum(mine, axis=0) - mine, mask=valid)
+        running += tl.sum(mine, axis=0)
+    owner = tl.where(expert < EXPERTS, expert, -1)
+    end = tl.where(expert < EXPERTS, last, rows)
+    for block in range(first // BLOCK_M, end // BLOCK_M, LANES):
+        tl.store(block_expert + block + lane, owner, mask=block + lane < end // BLOCK_M)
 
 
 @triton.jit
@@ -302,7 +300,7 @@ def sort_small(chosen: torch.Tensor, num_experts: int, block_m: int) -> SortedAs
     SMALL_SORT_MAX assignments."""
     flat = chosen.reshape(-1).contiguous()
     count = flat.numel()
-    rows = -(-(count + num_experts * (block_m - 1)) // block_m) * block_m
+    rows = sorted_rows(count, num_experts, block_m)
     sorted_ids = torch.empty(rows, dtype=torch.int32, device=flat.device)
     block_expert = torch.empty(rows // block_m, dtype=torch.int32, device=flat.device)
     _sort_small[(1,)](flat, sorted_ids, block_expert, count, rows, EXPERTS=num_experts,
@@ -322,7 +320,7 @@ def sort_chunked(chosen: torch.Tensor, num_experts: int, block_m: int) -> Sorted
     their rows."""
     flat = chosen.reshape(-1).contiguous()
     count = flat.numel()
-    rows = -(-(count + num_experts * (block_m - 1)) // block_m) * block_m
+    rows = sorted_rows(count, num_experts, block_m)
     chunks = triton.cdiv(count, SORT_CHUNK)
     experts_p = triton.next_power_of_2(num_experts + 1)
     counts = torch.empty(chunks, experts_p, dtype=torch.int32, device=flat.device)
@@ -380,19 +378,21 @@ def grouped_gemm(a: torch.Tensor, weights: torch.Tensor, groups: SortedAssignmen
                  rows_per_a: int, scale: torch.Tensor | None = None,
                  w_scale: torch.Tensor | None = None, scale_cols: int = 0,
                  tile: tuple[int, ...] | None = None,
-                 silu_and_mul: bool = False) -> torch.Tensor:
+                 silu_and_mul: bool = False, zeroed: bool = False) -> torch.Tensor:
     """For each assignment ``i``: row ``i // rows_per_a`` of ``a`` [rows, K] times its expert's
     ``weights`` [experts, N, K] transposed, times ``scale[i]`` if given; [assignments, N]. FP8
     ``weights`` come with ``w_scale`` [experts, N, column blocks] of ``scale_cols`` columns.
     ``tile``: (BLOCK_N, BLOCK_K, warps, stages[, GROUP_M: the program order, see
     _grouped_gemm]) in place of the defaults. ``silu_and_mul`` (16-bit gate/up weights, N gate
     rows then N up rows): SiLU(gate) * up, [assignments, N / 2], each program BLOCK_N / 2
-    columns of each."""
+    columns of each. ``zeroed``: rows of assignments no expert here takes are zero (else
+    unspecified)."""
     assert a.stride(-1) == 1 and weights.stride(-1) == 1
     assert not (silu_and_mul and (w_scale is not None or scale is not None))
     n, k = weights.shape[1], weights.shape[2]
     width = n // 2 if silu_and_mul else n
-    out = torch.empty(groups.assignments, width, dtype=a.dtype, device=a.device)
+    out = (torch.zeros if zeroed else torch.empty)(groups.assignments, width, dtype=a.dtype,
+                                                   device=a.device)
     block_n, block_k = 64 if n <= 1024 else 128, 64
     launch, group_m = {}, 0
     if tile is not None:
@@ -455,8 +455,9 @@ def _row_products(x_row, w_rows, K: tl.constexpr, w_scales, scale_cols,
 @triton.jit
 def _direct_gate_up(x, w, h, chosen, w_scale, inter, K: tl.constexpr, top_k, stride_xm,
                     stride_we, stride_wn, stride_hm, stride_se, stride_sn, scale_cols,
-                    W_SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    UNROLL: tl.constexpr, PDL: tl.constexpr, DOWN_EARLY: tl.constexpr):
+                    experts_here, W_SCALES: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr,
+                    DOWN_EARLY: tl.constexpr, SKIPS: tl.constexpr):
     if DOWN_EARLY:   # the down kernel launches once every program here has waited for routing
         pdl.wait(PDL)
         pdl.start(PDL)
@@ -465,6 +466,10 @@ def _direct_gate_up(x, w, h, chosen, w_scale, inter, K: tl.constexpr, top_k, str
         pdl.wait(PDL)
     assignment = tl.program_id(0)
     expert = tl.load(chosen + assignment).to(tl.int64)
+    if SKIPS:   # another rank's expert: its row is not read
+        if expert >= experts_here:
+            pdl.end(PDL)
+            return
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(rows, inter - 1)   # a last, partial block recomputes the last row
     x_row = x + (assignment // top_k).to(tl.int64) * stride_xm
@@ -485,10 +490,10 @@ def _direct_gate_up(x, w, h, chosen, w_scale, inter, K: tl.constexpr, top_k, str
 
 @triton.jit
 def _direct_down_sum(h, w, out, chosen, weights, hidden, stride_hm, stride_we, stride_wn,
-                     stride_om, w_scale, stride_se, stride_sn, scale_cols, INTER: tl.constexpr,
-                     TOP_K: tl.constexpr, TOP_K_P: tl.constexpr, W_SCALES: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                     EARLY: tl.constexpr):
+                     stride_om, w_scale, stride_se, stride_sn, scale_cols, experts_here,
+                     INTER: tl.constexpr, TOP_K: tl.constexpr, TOP_K_P: tl.constexpr,
+                     W_SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PDL: tl.constexpr, EARLY: tl.constexpr, SKIPS: tl.constexpr):
     """BLOCK_N output columns of one token: each of its experts' down rows times its SiLU-and-mul
     row, weighted, rounded and summed. Every expert's rows are loaded in one tile, reduced once:
     a reduction per expert would wait for each expert's loads in turn. EARLY: the experts and
@@ -504,6 +509,9 @@ def _direct_down_sum(h, w, out, chosen, weights, hidden, stride_hm, stride_we, s
     live = slots < TOP_K
     assignment = token * TOP_K + slots
     expert = tl.load(chosen + assignment, mask=live, other=0, cache_modifier=".cg").to(tl.int64)
+    if SKIPS:   # other ranks' experts add nothing here
+        live = live & (expert < experts_here)
+        expert = tl.where(live, expert, 0)
     w_rows = (w + expert[:, None] * stride_we + rows[None, :].to(tl.int64) * stride_wn)[:, :, None]
     h_rows = (h + assignment * stride_hm)[:, None, None]
     s_rows = w_scale + expert[:, None] * stride_se + rows[None, :] * stride_sn
@@ -609,9 +617,10 @@ def direct_experts(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Ten
         x, gate_up, h, chosen, gate_scale, inter, hidden, top_k, x.stride(0), gate_up.stride(0),
         gate_up.stride(1), h.stride(0), gate_scale.stride(0) if gate_mode else 0,
         gate_scale.stride(1) if gate_mode else 0, experts.scale_cols.get("gate_up_proj", 1),
-        W_SCALES=gate_mode, BLOCK_N=gate_n, BLOCK_K=gate_k,
+        gate_up.shape[0], W_SCALES=gate_mode, BLOCK_N=gate_n, BLOCK_K=gate_k,
         UNROLL=triton.cdiv(hidden, gate_k) <= gemv_kernel.UNROLL_MAX_STEPS, PDL=gate_pdl,
-        DOWN_EARLY=early, num_warps=gate_warps, launch_pdl=gate_pdl > 0)
+        DOWN_EARLY=early, SKIPS=experts.partial, num_warps=gate_warps,
+        launch_pdl=gate_pdl > 0)
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     down_scale = experts.down_proj_scale if down_mode else down
     weights = weights.reshape(-1).contiguous()
@@ -619,16 +628,17 @@ def direct_experts(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Ten
         h, down, out, chosen, weights, hidden, h.stride(0), down.stride(0),
         down.stride(1), out.stride(0), down_scale, down_scale.stride(0) if down_mode else 0,
         down_scale.stride(1) if down_mode else 0, experts.scale_cols.get("down_proj", 1),
-        INTER=inter, TOP_K=top_k, TOP_K_P=triton.next_power_of_2(top_k), W_SCALES=down_mode,
-        BLOCK_N=down_n, BLOCK_K=down_k, PDL=down_pdl, EARLY=early, num_warps=down_warps,
-        launch_pdl=down_pdl > 0)
+        down.shape[0], INTER=inter, TOP_K=top_k, TOP_K_P=triton.next_power_of_2(top_k),
+        W_SCALES=down_mode, BLOCK_N=down_n, BLOCK_K=down_k, PDL=down_pdl, EARLY=early,
+        SKIPS=experts.partial, num_warps=down_warps, launch_pdl=down_pdl > 0)
     return out
 
 
 def fused_experts(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Tensor,
                   chosen: torch.Tensor, silu_and_mul) -> torch.Tensor:  # noqa: ANN001
     """Sum over each token's chosen experts of weight times expert output: ``experts`` a
-    moe.Experts (16-bit or FP8), ``weights``/``chosen`` [tokens, k]."""
+    moe.Experts (16-bit or FP8), ``weights``/``chosen`` [tokens, k]. Where ``experts.partial``
+    (expert parallelism), id ``num_experts`` is another rank's expert and adds nothing."""
     tokens, top_k = chosen.shape
     if takes_direct(tokens, top_k, experts.gate_up_proj.shape[0]):
         out = direct_experts(x, experts, weights, chosen)
@@ -646,11 +656,14 @@ def fused_experts(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Tens
         if tile is not None and not fits(tile, block_m, a.element_size(),
                                          _shared_memory(a.device.index or 0)):
             tile = None   # the kernel's own tiling: a GPU with less shared memory than Hopper
+        # Other ranks' experts' rows are summed below: zero (their gate/up rows go unread).
+        zeroed = experts.partial and name == "down_proj"
         if not experts.quantized:
             return grouped_gemm(a, getattr(experts, name), groups, rows_per_a, scale, tile=tile,
-                                silu_and_mul=silu)
+                                silu_and_mul=silu, zeroed=zeroed)
         return grouped_gemm(a, getattr(experts, name), groups, rows_per_a, scale,
-                            getattr(experts, name + "_scale"), experts.scale_cols[name], tile)
+                            getattr(experts, name + "_scale"), experts.scale_cols[name], tile,
+                            zeroed=zeroed)
 
     if PROMPT_FUSIONS and prompt_tiles and not experts.quantized:
         h = gemm(x.contiguous(), "gate_up_proj", top_k, silu=True)

@@ -74,7 +74,8 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _init(rank: int, size: int, port: int, device: torch.device, all_reduce: str) -> TPGroup:
+def _init(rank: int, size: int, port: int, device: torch.device, all_reduce: str,
+          whole_experts: bool) -> TPGroup:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -82,7 +83,7 @@ def _init(rank: int, size: int, port: int, device: torch.device, all_reduce: str
     # Later collectives wait as long as a worker may stay idle.
     host = dist.new_group(list(range(size)), timeout=IDLE_TIMEOUT, backend="gloo")
     if device.type != "cuda":
-        return TPGroup(rank, size, host)
+        return TPGroup(rank, size, host, whole_experts=whole_experts)
     torch.cuda.set_device(device)
     group = dist.new_group(list(range(size)), timeout=IDLE_TIMEOUT, backend="nccl")
     # NCCL connects at a group's first collective, which no CUDA graph capture may hold.
@@ -93,7 +94,7 @@ def _init(rank: int, size: int, port: int, device: torch.device, all_reduce: str
         agreed = torch.tensor([fast_sum is not None], dtype=torch.int32)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=host)
         fast_sum = fast_sum if agreed.item() else None
-    return TPGroup(rank, size, group, host, fast_sum)
+    return TPGroup(rank, size, group, host, fast_sum, whole_experts)
 
 
 def rank_devices(config: EngineConfig) -> list[str]:
@@ -110,27 +111,35 @@ def _runner_args(config: EngineConfig, role: str, step_tokens: int, min_pool_tok
                        "step_tokens": step_tokens, "min_pool_tokens": min_pool_tokens})
 
 
-def check_splits(model_config, size: int) -> None:  # noqa: ANN001 - a ModelConfig
-    """ConfigError unless ``size`` ranks can split the model's layers evenly."""
+def check_splits(model_config, size: int,  # noqa: ANN001 - a ModelConfig
+                 whole_experts: bool = False) -> None:
+    """ConfigError unless ``size`` ranks can split the model's layers evenly (the experts
+    whole with ``whole_experts``: --expert-parallel)."""
     flag = f"--tensor-parallel-size {size}"
     try:
         HeadSplit.of(model_config.num_heads, model_config.num_kv_heads, TPGroup(0, size))
     except ValueError as err:
         raise ConfigError(f"{flag}: {err}") from err
+    if whole_experts and model_config.num_experts % size:
+        raise ConfigError(f"{flag} --expert-parallel: the model's {model_config.num_experts} "
+                          f"experts are not divisible by {size}")
     # The widths a row-parallel layer splits: a block FP8 checkpoint's slices must hold whole
     # column blocks of its scales (the heads above already divide the attention output's).
     block = model_config.weight_quant.block_size if model_config.weight_quant else None
+    experts = 0 if whole_experts else model_config.moe_intermediate_size
     for what, width in (("the attention output's input", model_config.q_size),
                         ("the MLP's intermediate size", model_config.intermediate_size),
-                        ("the experts' intermediate size", model_config.moe_intermediate_size),
+                        ("the experts' intermediate size", experts),
                         ("the shared expert's intermediate size",
                          model_config.shared_expert_intermediate_size)):
         if width % size:
             raise ConfigError(f"{flag}: {what} ({width}) is not divisible by {size}")
         if block and width and (width // size) % block[1]:
+            hint = (", or keep each expert whole: --expert-parallel"
+                    if what == "the experts' intermediate size" else "")
             raise ConfigError(f"{flag}: each rank's {width // size} columns of {what} "
                               f"({width}) would cut the checkpoint's {block[1]}-column FP8 "
-                              "scale blocks; use fewer ranks")
+                              f"scale blocks; use fewer ranks{hint}")
 
 
 class RankedRunner:
@@ -154,7 +163,8 @@ class RankedRunner:
         watch = threading.Thread(target=self._watch_ranks, name="rank-watch", daemon=True)
         if devices[0].startswith("cuda"):   # NCCL waits for a dead peer even while starting
             watch.start()
-        self.tp = self._join(size, port, torch.device(devices[0]), config.all_reduce)
+        self.tp = self._join(size, port, torch.device(devices[0]), config.all_reduce,
+                             config.expert_parallel)
         try:   # its first collectives wait for the other ranks' models
             self.local = ModelRunner(dataclasses.replace(config, device=devices[0]), role,
                                      step_tokens, min_pool_tokens, tp=self.tp)
@@ -196,14 +206,15 @@ class RankedRunner:
                 _exit_with_error(f"pdserve: error: {self.role}: a tensor-parallel rank is gone "
                                  f"({self._rank_exits()}); the worker stops")
 
-    def _join(self, size: int, port: int, device: torch.device, all_reduce: str) -> TPGroup:
+    def _join(self, size: int, port: int, device: torch.device, all_reduce: str,
+              whole_experts: bool) -> TPGroup:
         """Rank 0's place in the group, once every rank has joined; a ConfigError as soon as
         a rank exits instead (its own error is on stderr above)."""
         joined: dict[str, object] = {}
 
         def join() -> None:
             try:
-                joined["tp"] = _init(0, size, port, device, all_reduce)
+                joined["tp"] = _init(0, size, port, device, all_reduce, whole_experts)
             except BaseException as err:  # noqa: BLE001 - raised below
                 joined["error"] = err
 
@@ -439,7 +450,8 @@ def _serve_rank(rank: int, size: int, port: int, parent: int) -> None:
     spec = json.loads(os.environ["PDSERVE_RANK_ARGS"])
     config = EngineConfig(**spec["config"])
     _watch_parent(parent)
-    tp = _init(rank, size, port, resolve_device(config.device), config.all_reduce)
+    tp = _init(rank, size, port, resolve_device(config.device), config.all_reduce,
+               config.expert_parallel)
     runner = ModelRunner(config, spec["role"], spec["step_tokens"], spec["min_pool_tokens"], tp=tp)
     splits = _head_splits(runner.model_config, size)
     _check_same_pages(tp, runner.pool.tensor.shape[2])

@@ -49,6 +49,8 @@ class TPGroup:
     host_group: ProcessGroup | None = None
     # ``--all-reduce symm_mem``: sums that fit it (parallel/symm_mem.py), the others over ``group``
     fast_sum: SymmMemAllReduce | None = None
+    # ``--expert-parallel``: each rank holds a share of the experts whole, not a slice of each
+    whole_experts: bool = False
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
