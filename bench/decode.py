@@ -9,10 +9,13 @@ embedding table nothing unless it is the LM head too (``weight_reads``).
 
 ``--tp-shard N`` times what one GPU of an N-way tensor-parallel decode would run: a preset with
 its query and KV heads and its MLP width divided by N (embedding and LM head whole, as when
-each rank samples). pdserve has no tensor parallelism; the all-reduces such a step would add (two
-a layer) are not timed, so this is the step's floor, for estimating what N GPUs could give.
+each rank samples). The all-reduces such a step adds (two a layer) are not timed, so this is
+the step's floor, for estimating what N GPUs could give. With ``--expert-parallel`` a mixture's
+experts stay whole: E/N of them, each token choosing k/N, the share of its k choices a rank
+takes on average (uniform routing; a busier rank sets a real step).
 
     python bench/decode.py --model llama3-8b --tp-shard 2 --batch-sizes 64,128 --context 900
+    python bench/decode.py --model qwen3-30b-a3b --tp-shard 2 --expert-parallel --batch-sizes 1,64
 """
 from __future__ import annotations
 
@@ -71,30 +74,37 @@ def _host_breakdown(runner: ModelRunner, seqs: list[SeqInput], params: list[Samp
     return {key: round(v / iters * 1e6, 1) for key, v in parts.items()}
 
 
-def tp_shard(preset: str, ways: int) -> str:
+def tp_shard(preset: str, ways: int, whole_experts: bool = False) -> str:
     """The name of a preset holding one rank's share of ``preset`` split ``ways`` ways (heads
-    and MLP widths divided, each expert's too: every rank holds a slice of every expert),
-    declared on first use; ValueError where it does not divide."""
+    and MLP widths divided, each expert's too: every rank holds a slice of every expert; or
+    with ``whole_experts`` E / ways whole experts, of which a token chooses k / ways), declared
+    on first use; ValueError where it does not divide."""
     if ways == 1:
         return preset
     if preset not in PRESETS:
         raise ValueError(f"--tp-shard needs a preset model ({', '.join(PRESETS)}), "
                          f"not {preset!r}")
     base = PRESETS[preset]
+    experts = ((base.num_experts, base.num_experts_per_tok) if whole_experts
+               else (base.moe_intermediate_size,))
     if ways < 2 or any(n % ways for n in (base.num_heads, base.num_kv_heads,
-                                          base.intermediate_size, base.moe_intermediate_size,
+                                          base.intermediate_size, *experts,
                                           base.shared_expert_intermediate_size)):
         raise ValueError(f"--tp-shard {ways}: {preset}'s {base.num_heads} query heads, "
                          f"{base.num_kv_heads} KV heads and MLP width "
                          f"{base.intermediate_size}"
-                         + (f" (experts' {base.moe_intermediate_size})"
+                         + ((f" (its {base.num_experts} experts, {base.num_experts_per_tok} a "
+                             "token)" if whole_experts else
+                             f" (experts' {base.moe_intermediate_size})")
                             if base.num_experts else "") + " must divide by it")
-    name = f"{preset}-tp{ways}-shard"
+    name = f"{preset}-{'ep' if whole_experts else 'tp'}{ways}-shard"
+    split = ({"num_experts": base.num_experts // ways,
+              "num_experts_per_tok": base.num_experts_per_tok // ways} if whole_experts
+             else {"moe_intermediate_size": base.moe_intermediate_size // ways})
     PRESETS.setdefault(name, dataclasses.replace(
         base, name=name, num_heads=base.num_heads // ways,
         num_kv_heads=base.num_kv_heads // ways, intermediate_size=base.intermediate_size // ways,
-        moe_intermediate_size=base.moe_intermediate_size // ways,
-        shared_expert_intermediate_size=base.shared_expert_intermediate_size // ways))
+        shared_expert_intermediate_size=base.shared_expert_intermediate_size // ways, **split))
     return name
 
 
@@ -142,6 +152,8 @@ def main() -> None:
                         help="batch-1 linear layers through cuBLAS, not the Triton GEMV")
     parser.add_argument("--tp-shard", type=int, default=1, metavar="N",
                         help="time one rank of an N-way tensor-parallel split of a preset")
+    parser.add_argument("--expert-parallel", action="store_true",
+                        help="with --tp-shard N: the rank's experts whole (E/N, k/N a token)")
     parser.add_argument("--quantization", default="", choices=("", "fp8"),
                         help="fp8: the preset's linear layers in FP8 (FP8 GEMMs)")
     parser.add_argument("--kv-cache-dtype", default="auto",
@@ -160,7 +172,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/decode.json")
     args = parser.parse_args()
     try:
-        model = tp_shard(args.model, args.tp_shard)
+        model = tp_shard(args.model, args.tp_shard, args.expert_parallel)
     except ValueError as e:
         parser.error(str(e))
     sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -229,7 +241,8 @@ def main() -> None:
               f" | eager {result['eager']['step_ms']:8.3f} ms | x{result['graph_speedup']}")
     floor_ms = read_bytes(1) / bandwidth * 1e3
     write_results(args.out, "decode", {
-        "model": model, "tp_shard": args.tp_shard, "context": args.context,
+        "model": model, "tp_shard": args.tp_shard, "expert_parallel": args.expert_parallel,
+        "context": args.context,
         "page_size": args.page_size,
         "attention_backend": runner.backend_name, "layer_kernels": runner.model.ops.name,
         "fused_rope_kv": runner.model.fuse_rope_kv, "triton_gemv": runner.model.use_gemv,

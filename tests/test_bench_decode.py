@@ -54,6 +54,23 @@ def test_a_tensor_parallel_shard_divides_heads_and_mlp_and_runs(presets_restored
     assert name in PRESETS
 
 
+def test_an_expert_parallel_shard_keeps_experts_whole(presets_restored):
+    """A rank of --expert-parallel: E/N experts of the whole width, k/N chosen a token (its
+    average share of a token's k), heads and the dense widths divided as before."""
+    bench = _bench()
+    shard = PRESETS[bench.tp_shard("qwen3-30b-a3b", 2, whole_experts=True)]
+    assert (shard.num_experts, shard.num_experts_per_tok, shard.moe_intermediate_size) == (
+        64, 4, 768)
+    assert (shard.num_heads, shard.num_kv_heads) == (16, 2)
+    name = bench.tp_shard("tiny-moe", 2, whole_experts=True)
+    runner = ModelRunner(EngineConfig(model=name, device="cpu", num_pages=16), "decode")
+    pages = runner.pool.allocator.alloc(2)
+    assert runner.forward([SeqInput([5, 6, 7], 0, pages[:1])]).shape == (
+        1, PRESETS["tiny-moe"].vocab_size)
+    with pytest.raises(ValueError, match=r"\(its 128 experts, 8 a token\) must divide by it"):
+        bench.tp_shard("qwen3-30b-a3b", 3, whole_experts=True)
+
+
 def test_a_split_that_does_not_divide_is_one_line():
     for flags, message in ((["--tp-shard", "3"], "--tp-shard 3: llama3-8b's 32 query heads"),
                            (["--model", "/tmp", "--tp-shard", "2"],
