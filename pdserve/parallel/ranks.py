@@ -171,6 +171,11 @@ class RankedRunner:
         except RuntimeError as err:
             raise self._start_failed(err) from err
         self.model_config = self.local.model_config
+        experts = self.model_config.num_experts
+        if config.expert_parallel:
+            log.info("%s: %s", role, f"{experts // size} of {experts} experts a layer whole on "
+                     f"each of {size} ranks (--expert-parallel)" if experts else
+                     "--expert-parallel: a dense model, no experts to place")
         self.device = self.local.device
         self.profiler = self.local.profiler
         self.backend_name = self.local.backend_name
