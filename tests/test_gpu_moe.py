@@ -234,6 +234,11 @@ def test_one_launch_routing_matches_its_torch_statement(tokens, experts, top_k):
     torch.testing.assert_close(weights, want_weights / want_weights.sum(-1, keepdim=True))
     rounded, _ = route_top_k(logits, top_k, renormalize=True, dtype=torch.bfloat16)
     assert torch.equal(rounded, weights.bfloat16())   # rounded in the kernel as .to() rounds
+    # A rank of --expert-parallel holding the second quarter: its ids, the others' as a quarter.
+    quarter = experts // 4
+    _, held = route_top_k(logits, top_k, renormalize=True, held=(quarter, quarter))
+    local = picked - quarter
+    assert torch.equal(held, torch.where((local >= 0) & (local < quarter), local, quarter))
 
 
 def _experts(num: int, hidden: int, inter: int, fp8_cols: int | None, seed: int):

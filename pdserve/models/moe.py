@@ -247,23 +247,26 @@ class SparseMoeBlock(nn.Module):
 
     def route(self, x: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k routing weights and experts, [tokens, top_k] each: softmax over
-        the router's logits in float32, top-k, renormalised where the family says."""
+        the router's logits in float32, top-k, renormalised where the family says. Under
+        --expert-parallel the experts are this rank's ids, another rank's as ``num_experts``
+        here (ExpertParallelExperts.local_ids)."""
         logits = ctx.linear(self.gate, x)
-        if ctx.ops.has_fused_experts and x.is_cuda:
+        experts = self.experts
+        if ctx.ops.has_fused_experts and x.is_cuda:   # the ids mapped in the routing kernel
+            held = (experts.first, experts.gate_up_proj.shape[0]) if experts.partial else None
             return ctx.ops.route_top_k(logits, self.top_k, self.norm_topk_prob,
-                                       torch.float32 if self.float32_routing_weights else x.dtype)
+                                       torch.float32 if self.float32_routing_weights else x.dtype,
+                                       held)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if not self.float32_routing_weights:
             weights = weights.to(x.dtype)
-        return weights, chosen
+        return weights, experts.local_ids(chosen) if experts.partial else chosen
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         weights, chosen = self.route(x, ctx)
-        if self.experts.partial:   # this rank's experts' ids; the others' add nothing here
-            chosen = self.experts.local_ids(chosen)
         if ctx.ops.has_fused_experts and x.is_cuda:
             out = ctx.ops.fused_experts(x, self.experts, weights, chosen)
         elif torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():

@@ -242,11 +242,12 @@ def _place_chunk(chosen, offsets, sorted_ids, count, EXPERTS_P: tl.constexpr,
 
 
 @triton.jit
-def _route(logits, weights, chosen, stride, EXPERTS: tl.constexpr, EXPERTS_P: tl.constexpr,
-           TOP_K: tl.constexpr, TOP_K_P: tl.constexpr, RENORMALIZE: tl.constexpr,
-           PDL: tl.constexpr):
+def _route(logits, weights, chosen, stride, first, held, EXPERTS: tl.constexpr,
+           EXPERTS_P: tl.constexpr, TOP_K: tl.constexpr, TOP_K_P: tl.constexpr,
+           RENORMALIZE: tl.constexpr, HELD: tl.constexpr, PDL: tl.constexpr):
     """One token: softmax over its router logits (float32), its top-k (the lowest index among
-    equals first), renormalised if asked."""
+    equals first), renormalised if asked. HELD: the experts as this rank's ids (``held`` of
+    them from ``first``), another rank's as ``held``."""
     pdl.start(PDL)
     pdl.wait(PDL)
     token = tl.program_id(0)
@@ -266,6 +267,9 @@ def _route(logits, weights, chosen, stride, EXPERTS: tl.constexpr, EXPERTS_P: tl
         p = tl.where(experts == pick, -1.0, p)
     if RENORMALIZE:
         values = values / tl.sum(values, axis=0)
+    if HELD:
+        local = picks - first
+        picks = tl.where((local >= 0) & (local < held), local, held)
     tl.store(weights + token * TOP_K + slots, values.to(weights.dtype.element_ty),
              mask=slots < TOP_K)
     tl.store(chosen + token * TOP_K + slots, picks, mask=slots < TOP_K)
@@ -273,19 +277,23 @@ def _route(logits, weights, chosen, stride, EXPERTS: tl.constexpr, EXPERTS_P: tl
 
 
 def route_top_k(logits: torch.Tensor, top_k: int, renormalize: bool,
-                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+                dtype: torch.dtype = torch.float32, held: tuple[int, int] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's top-k softmax probabilities (computed in float32, stored as ``dtype``) and
     experts (int32), [tokens, top_k]: moe.SparseMoeBlock.route's softmax, topk, division and
-    rounding in one launch."""
+    rounding in one launch. ``held`` (first, count): a rank's experts under --expert-parallel,
+    the ids as its own and another rank's as ``count`` (ExpertParallelExperts.local_ids)."""
     tokens, experts = logits.shape
     weights = torch.empty(tokens, top_k, dtype=dtype, device=logits.device)
     chosen = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
     if tokens:
         dependent = pdl.mode(logits.device, "route")
-        _route[(tokens,)](logits, weights, chosen, logits.stride(0), EXPERTS=experts,
-                          EXPERTS_P=triton.next_power_of_2(experts), TOP_K=top_k,
-                          TOP_K_P=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
-                          PDL=dependent, launch_pdl=dependent > 0,
+        first, count = held or (0, 0)
+        _route[(tokens,)](logits, weights, chosen, logits.stride(0), first, count,
+                          EXPERTS=experts, EXPERTS_P=triton.next_power_of_2(experts),
+                          TOP_K=top_k, TOP_K_P=triton.next_power_of_2(top_k),
+                          RENORMALIZE=renormalize, HELD=held is not None, PDL=dependent,
+                          launch_pdl=dependent > 0,
                           num_warps=1)   # its reductions in one warp's shuffles: 2.1 us, not 3.2
     return weights, chosen
 

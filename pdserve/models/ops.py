@@ -140,12 +140,13 @@ class CudaOps(TorchOps):
         return fused_experts(x, experts, weights, chosen, self.silu_and_mul)
 
     def route_top_k(self, logits: torch.Tensor, top_k: int, renormalize: bool,
-                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                    dtype: torch.dtype, held: tuple[int, int] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Softmax, top-k, renormalisation and rounding to ``dtype`` of router ``logits`` in
-        one kernel."""
+        one kernel (``held``: a rank's experts, moe_kernel.route_top_k)."""
         from pdserve.models.moe_kernel import route_top_k
 
-        return route_top_k(logits, top_k, renormalize, dtype)
+        return route_top_k(logits, top_k, renormalize, dtype, held)
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         shape = x.shape
