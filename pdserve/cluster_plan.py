@@ -135,18 +135,21 @@ class ClusterPlan:
 
     def prefill_on_decode(self) -> bool:
         """--prefill-on-decode, where auto is on for the one layout it was measured best for:
-        one prefill and one decode worker sharing one GPU, nothing about the workers asked
-        for. Two processes time-slice that GPU, and each pays for every switch; one process
-        prefilling between its decode steps met SGLang's latency under live traffic where the
-        two did not, at 2-10% of the all-at-once burst (bench/results/h100-one-gpu-default/).
-        A prefill worker's own settings given (--chunk-size, ...) ask for one."""
+        one prefill and one decode worker sharing the same GPUs, nothing about the workers
+        asked for. Two processes time-slice those GPUs, and each pays for every switch. On one
+        GPU, one process prefilling between its decode steps met SGLang's latency under live
+        traffic where the two did not, at 2-10% of the all-at-once burst
+        (bench/results/h100-one-gpu-default/); over --tensor-parallel-size GPUs it won both
+        (bench/results/h200x2-tensor-parallel-one-process/). A prefill worker's own settings
+        given (--chunk-size, a role's own tensor-parallel size, ...) ask for one."""
         value = self.launcher.prefill_on_decode
         if value != "auto":
             return value == "on"
         launcher = self.launcher
         asked = (launcher.prefill or launcher.decode or launcher.prefill_devices
                  or launcher.decode_devices or self.router.local_prefill_max_tokens > 0
-                 or self.ranks("prefill") != 1 or self.ranks("decode") != 1
+                 or launcher.prefill_tensor_parallel_size
+                 or launcher.decode_tensor_parallel_size
                  or self.prefill_worker_flags())
         return not asked and bool(_gpu(self.engine.device))
 

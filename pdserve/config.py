@@ -310,9 +310,10 @@ class LauncherConfig:
         "auto", "on: start no prefill workers, each decode worker prefills its own prompts "
         "between its decode steps (one copy of the weights per GPU, no KV hand-off); off: "
         "prefill workers; auto: on where the whole cluster would be one prefill and one decode "
-        "worker sharing one GPU (no --prefill, --decode, --prefill-devices, --decode-devices, "
-        "tensor parallelism, --local-prefill-max-tokens or a prefill worker's setting such as "
-        "--chunk-size given), else off. The flag alone means on",
+        "worker sharing the same GPUs (one GPU, or --tensor-parallel-size of them; no "
+        "--prefill, --decode, --prefill-devices, --decode-devices, a role's own tensor-parallel "
+        "size, --local-prefill-max-tokens or a prefill worker's setting such as --chunk-size "
+        "given), else off. The flag alone means on",
         choices=("auto", "on", "off"), nargs="?", const="on")
     routers: int = setting(0, "router processes, sharing the public ports: one Python process "
                            "relays every streamed message of its clients, and at about 10k "

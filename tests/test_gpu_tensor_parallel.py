@@ -36,15 +36,20 @@ def _graph_steps(metrics_url: str) -> float:
         r'^pdserve_decode_steps_total{[^}]*mode="cuda_graph"[^}]*} (\S+)$', text, re.M))
 
 
-@pytest.mark.parametrize("all_reduce", ["nccl", "symm_mem"])
-def test_up_with_two_ranks_a_worker_matches_the_torch_backend(all_reduce, reference):
+@pytest.mark.parametrize(("all_reduce", "prefill_on_decode"),
+                         [("nccl", "off"), ("symm_mem", "off"), ("nccl", "auto")])
+def test_up_with_two_ranks_a_worker_matches_the_torch_backend(all_reduce, prefill_on_decode,
+                                                              reference):
     """`up --tensor-parallel-size 2`: both roles on cuda:0 and cuda:1, decode replaying its
-    graphs with the all-reduces inside (NCCL's, or symmetric memory's for decode's sums)."""
-    cluster = start_cluster([*SMALL, "--tensor-parallel-size", "2", "--all-reduce", all_reduce])
+    graphs with the all-reduces inside (NCCL's, or symmetric memory's for decode's sums); or,
+    as `up` does by default, no prefill worker and the decode ranks prefilling every prompt."""
+    cluster = start_cluster([*SMALL, "--tensor-parallel-size", "2", "--all-reduce", all_reduce,
+                             "--prefill-on-decode", prefill_on_decode])
     try:
         # small's 4 query heads a KV head on each rank: FA3 on Hopper, FlashInfer elsewhere.
         hopper = torch.cuda.get_device_capability()[0] == 9
         assert cluster.worker_info("decode").attention_backend == ("fa" if hopper else "fi")
+        assert len(cluster.workers["prefill"]) == (0 if prefill_on_decode == "auto" else 1)
         _assert_greedy_like(cluster, reference, (3, 40, 300, 1000), seed=5)
         assert _graph_steps(cluster.metrics_urls["decode0"]) > 0
         assert cluster.wait_all_pages_free()

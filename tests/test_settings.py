@@ -79,14 +79,16 @@ def test_up_has_decode_workers_capture_prompt_graphs_where_they_prefill(flags, p
     (["--prefill-devices", "cuda:0", "--decode-devices", "cuda:1"], False),
     (["--device", "cuda:0", "--decode-devices", "cuda:0"], False),
     (["--device", "cuda:0", "--local-prefill-max-tokens", "256"], False),
-    (["--device", "cuda:0", "--tensor-parallel-size", "2"], False),
+    (["--device", "cuda:0", "--tensor-parallel-size", "2"], True),   # both roles on GPUs 0, 1
+    (["--device", "cpu", "--tensor-parallel-size", "2"], False),
+    (["--device", "cuda:0", "--tensor-parallel-size", "2", "--prefill-on-decode", "off"], False),
     (["--device", "cuda:0", "--decode-tensor-parallel-size", "2"], False),
     (["--device", "cuda:0", "--chunk-size", "2048"], False),   # a prefill worker's setting
     (["--device", "cuda:0", "--disable-prefix-cache"], False),
     (["--device", "cuda:0", "--chunk-size", "0"], True)])     # the default, as if not given
 def test_up_prefills_on_decode_where_one_gpu_would_hold_both_roles(flags, on):
-    """--prefill-on-decode auto: on for one prefill and one decode worker on one GPU and
-    nothing about the workers asked for; the plan's workers and each decode's flags follow."""
+    """--prefill-on-decode auto: on for one prefill and one decode worker on the same GPUs
+    (one, or --tensor-parallel-size of them) and nothing about the workers asked for; the plan's workers and each decode's flags follow."""
     plan = ClusterPlan.from_args(build_parser().parse_args(["up", "--model", "tiny", *flags]))
     assert plan.prefill_on_decode() is on
     assert (plan.worker_count("prefill") == 0) is on

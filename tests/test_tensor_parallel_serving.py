@@ -76,6 +76,19 @@ def test_up_gives_decode_its_own_rank_count(tiny_runner):
         stop_cluster(cluster)
 
 
+def test_up_prefills_on_two_decode_ranks_with_no_prefill_worker(tiny_runner):
+    """`up --tensor-parallel-size 2 --prefill-on-decode` (auto's choice on GPUs): one decode
+    worker of two ranks prefills every prompt, and gives the single process's tokens."""
+    cluster = start_cluster(["--device", "cpu", "--tensor-parallel-size", "2",
+                             "--prefill-on-decode"])
+    try:
+        assert cluster.workers["prefill"] == []
+        _assert_single_process_tokens(cluster, tiny_runner, "here")
+        assert len(_children(cluster.pids["decode0"])) == 1
+    finally:
+        stop_cluster(cluster)
+
+
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_a_dead_rank_stops_its_worker_and_the_router_finishes_elsewhere(role, tiny_runner):
     roles = ["prefill", "prefill", "decode"] if role == "prefill" else ["prefill", "decode",
