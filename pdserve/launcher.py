@@ -280,7 +280,9 @@ def run_cluster(plan: ClusterPlan) -> int:
             print(f"pdserve: mutual TLS between every process; clients trust {secrets.ca_file}",
                   flush=True)
         if auto_prefill_here and launcher.prefill_on_decode == "on":
-            print("pdserve: one GPU: the decode worker prefills its own prompts, with no "
+            ranks = plan.ranks("decode")
+            where = "one GPU" if ranks == 1 else f"{ranks} GPUs of one tensor-parallel worker"
+            print(f"pdserve: {where}: the decode worker prefills its own prompts, with no "
                   "prefill worker (--prefill-on-decode off starts one beside it)", flush=True)
         print(f"pdserve ready: router on {routers[0].address} (model "
               f"{plan.engine.served_model_name or plan.engine.model}, "
