@@ -461,8 +461,27 @@ def _serve_rank(rank: int, size: int, port: int, parent: int) -> None:
     splits = _head_splits(runner.model_config, size)
     _check_same_pages(tp, runner.pool.tensor.shape[2])
     steps: DecodeSteps | None = None
+    # The step launched last, collected once the next is launched: as on rank 0, the host
+    # prepares a step while the GPU runs the one before (rank 0's broadcast waits for this loop).
+    pending: LaunchedStep | None = None
     while True:
         command = _broadcast(tp, (None,))
+        launched: LaunchedStep | None = None
+        if command[0] == "launch":         # a prefill step
+            _, seqs, rows = command
+            launched = runner.launch(seqs, rows)
+            _gather_pages(tp, runner.pool, _written_pages(seqs, runner.pool.page_size), None,
+                          splits)
+        elif command[0] == "decode":
+            _, plan, released, pages = command
+            assert steps is not None
+            for slot in released:
+                steps.slots.release(slot)
+            _scatter_pages(tp, None, runner.pool, pages, splits)
+            launched = steps.launch(plan)
+        if pending is not None:            # at most two steps on the GPU, as rank 0 keeps
+            pending.tokens()
+        pending = launched
         if command[0] == "stop":
             return
         if command[0] == "warm_up":
@@ -470,20 +489,8 @@ def _serve_rank(rank: int, size: int, port: int, parent: int) -> None:
         elif command[0] == "decode_warm_up":
             assert steps is not None
             steps.warm_up()
-        elif command[0] == "launch":       # a prefill step
-            _, seqs, rows = command
-            runner.launch(seqs, rows).tokens()
-            _gather_pages(tp, runner.pool, _written_pages(seqs, runner.pool.page_size), None,
-                          splits)
         elif command[0] == "decode_steps":
             steps = DecodeSteps(runner, command[1])
-        else:                            # a decode step
-            _, plan, released, pages = command
-            assert steps is not None
-            for slot in released:
-                steps.slots.release(slot)
-            _scatter_pages(tp, None, runner.pool, pages, splits)
-            steps.launch(plan).tokens()
 
 
 def _exit_with_error(message: str) -> None:
