@@ -116,11 +116,14 @@ def _preflight(command: str, config: Any) -> None:
         check_server,
     )
 
-    check_server(config.server)
     if command == "router":
+        # Routers started together (--share-port) check their ports as they will bind them: a
+        # router slower to start finds the first already listening there.
+        check_server(config.server, config.share_port)
         check_router(config)
-        check_port(config.server.host, config.http_port, "--http-port")
+        check_port(config.server.host, config.http_port, "--http-port", config.share_port)
         return
+    check_server(config.server)
     check_engine(config.engine)
     if command == "decode":
         check_decode(config)

@@ -120,8 +120,9 @@ def check_prefill(config: PrefillConfig) -> None:
                           "per step, or 0 (auto)")
 
 
-def check_port(host: str, port: int, flag: str) -> None:
-    """``port`` can be listened on (0 and negative ports need no check)."""
+def check_port(host: str, port: int, flag: str, shared: bool = False) -> None:
+    """``port`` can be listened on (0 and negative ports need no check). ``shared``: by one of
+    several routers, which may find another already listening there with SO_REUSEPORT."""
     if port <= 0:
         return
     if port > 65535:
@@ -130,6 +131,8 @@ def check_port(host: str, port: int, flag: str) -> None:
         # As servers bind: a port in TIME_WAIT (a restarted worker's) is free, one that
         # something listens on is not.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if shared:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:
             sock.bind((host, port))
         except OSError as err:
@@ -149,10 +152,10 @@ def check_router(config: RouterConfig) -> None:
                           f"--stream-interval ({config.stream_interval})")
 
 
-def check_server(config: ServerConfig) -> None:
+def check_server(config: ServerConfig, shared: bool = False) -> None:
     for name in ("tls_cert_file", "tls_key_file", "tls_ca_file", "internal_token_file"):
         value = getattr(config, name)
         if value and not Path(value).is_file():
             raise ConfigError(f"--{name.replace('_', '-')} {value}: no such file")
-    check_port(config.host, config.port, "--port")
+    check_port(config.host, config.port, "--port", shared)
     check_port(config.host, config.metrics_port, "--metrics-port")

@@ -14,7 +14,7 @@ import torch
 from conftest import free_port, start_cluster, stop_cluster
 from test_hf_folder import hf_folder  # noqa: F401 - the fixture
 
-from pdserve.cli import build_parser, role_config
+from pdserve.cli import _preflight, build_parser, role_config
 from pdserve.errors import ConfigError
 
 
@@ -114,6 +114,36 @@ def test_router_refuses_a_busy_http_port():
         _one_line_error(_pdserve("router", "--port", str(free_port()), "--http-port",
                                  str(busy.getsockname()[1]), "--prefill-addrs", "127.0.0.1:1",
                                  "--decode-addrs", "127.0.0.1:2"), "--http-port")
+
+
+def test_routers_sharing_ports_find_each_other_there_and_others_busy():
+    """`up --routers N` starts routers with --share-port: one slower to start than another finds
+    it listening (SO_REUSEPORT) on both ports and goes on; a port held without SO_REUSEPORT, or
+    any port without --share-port, is refused."""
+    def router(*flags: str) -> None:
+        _preflight("router", role_config("router", build_parser().parse_args(
+            ["router", "--model", "tiny", *flags])))
+
+    sockets = [socket.socket() for _ in range(3)]
+    try:
+        for sock, share in zip(sockets, (True, True, False)):
+            if share:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind(("127.0.0.1", 0))
+            sock.listen()
+        grpc_port, http_port, busy = (str(s.getsockname()[1]) for s in sockets)
+        router("--share-port", "--port", grpc_port, "--http-port", http_port)
+        for flags, flag in [(["--port", grpc_port], "--port"),
+                            (["--port", str(free_port()), "--http-port", http_port],
+                             "--http-port"),
+                            (["--share-port", "--port", busy], "--port"),
+                            (["--share-port", "--port", grpc_port, "--http-port", busy],
+                             "--http-port")]:
+            with pytest.raises(ConfigError, match=f"^{flag} .*in use"):
+                router(*flags)
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def test_log_level_in_any_case():
