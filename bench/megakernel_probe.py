@@ -22,7 +22,8 @@ the vector the one before wrote. Modes:
   kernels do before their wait.
 
 The modes with barriers must give the same bits and match a float32 reference in torch; the
-floor is the layer's weight bytes over the device-to-device copy rate.
+floor is the layer's weight bytes over the device-to-device copy rate. ``--sync`` picks the
+grid barrier: one counter (the default), or a flag a block (``grid_sync_probe.py`` times each).
 
     python bench/megakernel_probe.py --out bench/results/megakernel_probe.json
 """
@@ -42,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import copy_bandwidth_bytes_per_s, graph_calls_us, write_results  # noqa: E402
 
 H, NQKV, KATT, NO, NR, TOPK, INTER = 2048, 5120, 512, 4096, 128, 8, 768
+SYNCS = ("counter", "flags", "gather")
 PHASES = ("qkv", "attention", "merge", "o_proj", "router", "gate_up", "down")
 MODES = {"stream": (1, 0, 0), "hops": (0, 1, 0), "barriers": (1, 1, 0), "smem": (1, 1, 1),
          "l2": (1, 1, 2), "preload": (1, 1, 3)}
@@ -56,6 +58,7 @@ SOURCE = r"""
 #define SETS %(SETS)d
 #define E %(E)d
 #define PRE_VEC %(PRE_VEC)d
+#define SYNC %(SYNC)d
 #define H 2048
 #define NQKV 5120
 #define KATT 512
@@ -97,19 +100,62 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
 }
 
 // Every block arrives, then waits for all G; a block that waits too long flags it and goes on.
+// SYNC 0: one counter (a fence, then an atomic add); 1: a flag a block, every block's first
+// warp polling them all; 2: the same flags, one warp of block 0 polling them and then raising
+// the flag after them, which every block polls (`grid_sync_probe.py` times the three alone).
+__device__ __forceinline__ u32 ld_acquire(const u32* p) {
+  u32 v;
+  asm volatile("ld.acquire.gpu.global.u32 %%0, [%%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ bool all_flags(const u32* flags, u32 epoch, u32 spins) {
+  u32 low;
+  do {
+    low = 0xffffffffu;
+    for (int j = threadIdx.x; j < G; j += 32) low = min(low, ld_acquire(flags + j * 32));
+    low = __reduce_min_sync(0xffffffffu, low);
+  } while (low < epoch && ++spins < SPIN_LIMIT);
+  return low >= epoch;
+}
 __device__ __forceinline__ void grid_sync(u32* bar, u32* target, u32* failed) {
   __syncthreads();
 #if BARRIERS
   *target += G;
+  const u32 start = *(volatile u32*)failed ? SPIN_LIMIT : 0;
+#if SYNC == 0
   if (threadIdx.x == 0) {
     __threadfence();
     atomicAdd(bar, 1u);
-    u32 v, spins = *(volatile u32*)failed ? SPIN_LIMIT : 0;
+    u32 v, spins = start;
     do {
       asm volatile("ld.acquire.gpu.global.u32 %%0, [%%1];" : "=r"(v) : "l"(bar) : "memory");
     } while (v < *target && ++spins < SPIN_LIMIT);
     if (v < *target) atomicExch(failed, 1u);
   }
+#else
+  const u32 epoch = *target / G;
+  if (threadIdx.x == 0) {
+    __threadfence();
+    asm volatile("st.release.gpu.global.u32 [%%0], %%1;" :: "l"(bar + blockIdx.x * 32),
+                 "r"(epoch) : "memory");
+  }
+#if SYNC == 1
+  if (threadIdx.x < 32 && !all_flags(bar, epoch, start) && threadIdx.x == 0)
+    atomicExch(failed, 1u);
+#else
+  u32* go = bar + G * 32;
+  if (blockIdx.x == 0 && threadIdx.x < 32) {
+    if (!all_flags(bar, epoch, start) && threadIdx.x == 0) atomicExch(failed, 1u);
+    if (threadIdx.x == 0)
+      asm volatile("st.release.gpu.global.u32 [%%0], %%1;" :: "l"(go), "r"(epoch) : "memory");
+  }
+  if (threadIdx.x == 0) {
+    u32 spins = start;
+    while (ld_acquire(go) < epoch && ++spins < SPIN_LIMIT) {}
+    if (spins >= SPIN_LIMIT) atomicExch(failed, 1u);
+  }
+#endif
+#endif
   __syncthreads();
 #endif
 }
@@ -422,13 +468,16 @@ def compile_source(source: str, arch: str) -> bytes:
     return cubin.raw
 
 
-def source_for(mode: str, blocks: int, threads: int, sets: int, experts: int) -> tuple[str, int]:
-    """The kernel's source for ``mode`` and its dynamic shared memory in bytes."""
+def source_for(mode: str, blocks: int, threads: int, sets: int, experts: int,
+               sync: str = "counter") -> tuple[str, int]:
+    """The kernel's source for ``mode`` with grid barriers of kind ``sync`` and its dynamic
+    shared memory in bytes."""
     work, barriers, prefetch = MODES[mode]
     rows = max(-(-n // blocks) * (h // 8) for n, h in ((NQKV, H), (H, KATT), (NO, H), (NR, H)))
     pre_vec = rows if prefetch == 1 else 0
     src = SOURCE % {"G": blocks, "THREADS": threads, "WORK": work, "BARRIERS": barriers,
-                    "PREFETCH": prefetch, "SETS": sets, "E": experts, "PRE_VEC": pre_vec}
+                    "PREFETCH": prefetch, "SETS": sets, "E": experts, "PRE_VEC": pre_vec,
+                    "SYNC": SYNCS.index(sync)}
     return src, pre_vec * 16 + TOPK * INTER * 4
 
 
@@ -473,6 +522,9 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--threads", type=int, default=512)
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--sync", choices=SYNCS, default="counter",
+                        help="the grid barrier: one counter, a flag a block polled by every "
+                             "block, or those flags gathered by one block that raises one flag")
     parser.add_argument("--out", default="bench/results/megakernel_probe.json")
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -484,7 +536,7 @@ def main() -> None:
     acts = {n: torch.zeros(size, device=device) for n, size in
             (("x", H), ("qkv", NQKV), ("att", H), ("mrg", H), ("o", NO), ("logits", NR),
              ("gu", TOPK * 2 * INTER))}
-    bar = torch.zeros(1, dtype=torch.int32, device=device)
+    bar = torch.zeros(blocks * 32 + 1, dtype=torch.int32, device=device)   # flags 128 B apart
     failed = torch.zeros(1, dtype=torch.int32, device=device)
     times = torch.zeros(args.layers * 8, dtype=torch.int64, device=device)
     layer_bytes = 2 * (NQKV * H + H * KATT + NO * H + NR * H + TOPK * 3 * INTER * H)
@@ -495,7 +547,8 @@ def main() -> None:
           f"{bandwidth / 1e9:.0f} GB/s", flush=True)
     rows, finals = [], {}
     for mode in args.modes.split(","):
-        source, smem = source_for(mode, blocks, args.threads, args.sets, args.experts)
+        source, smem = source_for(mode, blocks, args.threads, args.sets, args.experts,
+                                  args.sync)
         kernel = _cuda_load_module(compile_source(source, arch), ["mega"])["mega"]
         kernel.set_shared_memory_config(smem)
         failed.zero_()
@@ -533,7 +586,8 @@ def main() -> None:
               f"timed_out={row['barrier_timed_out']}", flush=True)
     write_results(args.out, "megakernel_probe",
                   {"layers": args.layers, "sets": args.sets, "experts": args.experts,
-                   "blocks": blocks, "threads": args.threads, "layer_bytes": layer_bytes,
+                   "blocks": blocks, "threads": args.threads, "sync": args.sync,
+                   "layer_bytes": layer_bytes,
                    "copy_bandwidth_bytes_per_s": bandwidth, "floor_us_a_layer": floor_us,
                    "rows": rows})
 
