@@ -88,7 +88,8 @@ def test_up_has_decode_workers_capture_prompt_graphs_where_they_prefill(flags, p
     (["--device", "cuda:0", "--chunk-size", "0"], True)])     # the default, as if not given
 def test_up_prefills_on_decode_where_one_gpu_would_hold_both_roles(flags, on):
     """--prefill-on-decode auto: on for one prefill and one decode worker on the same GPUs
-    (one, or --tensor-parallel-size of them) and nothing about the workers asked for; the plan's workers and each decode's flags follow."""
+    (one, or --tensor-parallel-size of them) and nothing about the workers asked for; the
+    plan's workers and each decode's flags follow."""
     plan = ClusterPlan.from_args(build_parser().parse_args(["up", "--model", "tiny", *flags]))
     assert plan.prefill_on_decode() is on
     assert (plan.worker_count("prefill") == 0) is on
